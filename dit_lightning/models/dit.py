@@ -1,0 +1,410 @@
+"""DiT: Scalable Diffusion Models with Transformers (Peebles & Xie, arXiv 2212.09748).
+
+The network reads like the paper: patchify the latent, add a fixed 2D sin-cos position
+embedding, condition every block on c = t_emb + y_emb through adaLN-Zero, then a final
+adaLN layer and unpatchify. Parameter names and shapes match the released checkpoints,
+so ``DiT-XL-2-256x256.pt`` loads with ``strict=True``.
+
+Pure PyTorch: no Lightning import, so notebooks and other trainers can use it directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+# "none" | "all" | "half" | "first:N" | "every:K" | an int N (the first N blocks) | explicit indices.
+CheckpointSpec = Union[None, str, int, Sequence[int]]
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """adaLN modulation of the token sequence ``x`` (N, T, D) by per-sample (N, D) shift/scale."""
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+# --------------------------------------------------------------------------------------
+# Embeddings
+# --------------------------------------------------------------------------------------
+
+
+def sincos_1d(embed_dim: int, positions: np.ndarray) -> np.ndarray:
+    """MAE-style 1D sin-cos embedding: ``[sin(p * w), cos(p * w)]`` with w = 10000^(-i / (D/2))."""
+    if embed_dim % 2:
+        raise ValueError(f"sin-cos embedding needs an even dimension, got {embed_dim}")
+    omega = np.arange(embed_dim // 2, dtype=np.float64) / (embed_dim / 2.0)
+    omega = 1.0 / 10000**omega
+    out = np.einsum("m,d->md", positions.reshape(-1).astype(np.float64), omega)
+    return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+
+def sincos_2d(embed_dim: int, grid_size: int) -> np.ndarray:
+    """Fixed 2D sin-cos position embedding of shape (grid_size**2, embed_dim).
+
+    As in the reference, the grid is built "w first": the first half of the channels
+    encodes the column (w) coordinate and the second half the row (h) coordinate.
+    """
+    if embed_dim % 4:
+        raise ValueError(f"2D sin-cos embedding needs hidden_size divisible by 4, got {embed_dim}")
+    coords = np.arange(grid_size, dtype=np.float32)
+    grid_w, grid_h = np.meshgrid(coords, coords)  # grid_w[i, j] = j, grid_h[i, j] = i
+    emb_w = sincos_1d(embed_dim // 2, grid_w)
+    emb_h = sincos_1d(embed_dim // 2, grid_h)
+    return np.concatenate([emb_w, emb_h], axis=1)
+
+
+class PatchEmbed(nn.Module):
+    """Split the latent into p x p patches and project each to a D-dimensional token."""
+
+    def __init__(self, input_size: int, patch_size: int, in_channels: int, hidden_size: int) -> None:
+        super().__init__()
+        self.grid_size = input_size // patch_size
+        self.num_patches = self.grid_size**2
+        self.proj = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size, bias=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # (N, T, D)
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoidal frequency embedding of the (integer or fractional) timestep, then an MLP."""
+
+    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256) -> None:
+        super().__init__()
+        self.frequency_embedding_size = frequency_embedding_size
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size, bias=True),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size, bias=True),
+        )
+
+    @staticmethod
+    def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+        """``cat([cos(t * f), sin(t * f)])`` with f = max_period^(-i / half)."""
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None].float() * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        if dim % 2:
+            emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
+        return emb
+
+    def forward(self, t: Tensor) -> Tensor:
+        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
+        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class embedding with a learned null class (index ``num_classes``) for classifier-free guidance.
+
+    In training each label is replaced by the null class with probability ``dropout_prob``;
+    ``force_drop_ids`` (bool or 0/1 tensor) overrides the random draw so runs can be made
+    bit-identical across process layouts.
+    """
+
+    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float) -> None:
+        super().__init__()
+        use_cfg_embedding = dropout_prob > 0
+        self.embedding_table = nn.Embedding(num_classes + int(use_cfg_embedding), hidden_size)
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+
+    def token_drop(self, labels: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
+        if force_drop_ids is None:
+            drop_ids = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+        else:
+            drop_ids = force_drop_ids.to(device=labels.device).bool()
+        return torch.where(drop_ids, torch.full_like(labels, self.num_classes), labels)
+
+    def forward(self, labels: Tensor, train: bool, force_drop_ids: Optional[Tensor] = None) -> Tensor:
+        if (train and self.dropout_prob > 0) or force_drop_ids is not None:
+            labels = self.token_drop(labels, force_drop_ids)
+        return self.embedding_table(labels)
+
+
+# --------------------------------------------------------------------------------------
+# Transformer parts
+# --------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused qkv projection, computed by PyTorch's SDPA
+    (flash / memory-efficient kernels on GPU). Optional QK-norm stabilises fp16 training
+    (it adds parameters, so released checkpoints use it off)."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"hidden_size {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=True)
+        self.q_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, d = x.shape
+        qkv = self.qkv(x).reshape(n, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        x = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(n, t, d))
+
+
+class Mlp(nn.Module):
+    """Pointwise feed-forward: Linear -> GELU(tanh) -> Linear."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim, bias=True)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden_dim, dim, bias=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class DiTBlock(nn.Module):
+    """A transformer block conditioned by adaLN-Zero: the conditioning regresses shift, scale
+    and a residual gate for both the attention and the MLP branch; the gates start at zero so
+    every block starts as the identity."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, qk_norm: bool = False) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x
+
+
+class FinalLayer(nn.Module):
+    """adaLN (shift, scale) then a linear map from each token to its p x p x C_out patch."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int) -> None:
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+# --------------------------------------------------------------------------------------
+# The network
+# --------------------------------------------------------------------------------------
+
+
+def resolve_checkpoint_blocks(spec: CheckpointSpec, depth: int) -> tuple[int, ...]:
+    """Turn an activation-checkpointing setting into the sorted indices of the blocks to recompute.
+
+    ``None``/``"none"``: no block; ``"all"``: every block; ``"half"``: the first half;
+    ``"first:N"`` or an int N: the first N blocks; ``"every:K"``: blocks 0, K, 2K, ...;
+    a sequence of ints: exactly those blocks.
+    """
+    if spec is None or (isinstance(spec, str) and spec.lower() in ("none", "")):
+        return ()
+    if isinstance(spec, bool):
+        return tuple(range(depth)) if spec else ()
+    if isinstance(spec, int):
+        if not 0 <= spec <= depth:
+            raise ValueError(f"activation_checkpointing={spec}: the model has {depth} blocks, choose 0..{depth}")
+        return tuple(range(spec))
+    if isinstance(spec, str):
+        s = spec.lower().strip()
+        if s == "all":
+            return tuple(range(depth))
+        if s == "half":
+            return tuple(range(depth // 2))
+        kind, _, arg = s.partition(":")
+        if kind in ("first", "every") and arg.isdigit():
+            n = int(arg)
+            if kind == "first":
+                return resolve_checkpoint_blocks(n, depth)
+            if n < 1:
+                raise ValueError(f"activation_checkpointing='{spec}': K must be >= 1")
+            return tuple(range(0, depth, n))
+        raise ValueError(
+            f"activation_checkpointing='{spec}' is not understood: use 'none', 'all', 'half', "
+            "'first:N', 'every:K', an int N or a list of block indices"
+        )
+    indices = sorted({int(i) for i in spec})
+    bad = [i for i in indices if not 0 <= i < depth]
+    if bad:
+        raise ValueError(f"activation_checkpointing blocks {bad} out of range: the model has blocks 0..{depth - 1}")
+    return tuple(indices)
+
+
+class DiT(nn.Module):
+    """Class-conditional Diffusion Transformer over latents of shape (N, in_channels, input_size, input_size).
+
+    ``forward(x, t, y)`` returns (N, out_channels, H, W) where out_channels = 2 * in_channels
+    with ``learn_sigma`` (epsilon, then the variance interpolation value).
+    """
+
+    def __init__(
+        self,
+        input_size: int = 32,
+        patch_size: int = 2,
+        in_channels: int = 4,
+        hidden_size: int = 1152,
+        depth: int = 28,
+        num_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        class_dropout_prob: float = 0.1,
+        num_classes: int = 1000,
+        learn_sigma: bool = True,
+        qk_norm: bool = False,
+        activation_checkpointing: CheckpointSpec = None,
+    ) -> None:
+        super().__init__()
+        if input_size % patch_size:
+            raise ValueError(
+                f"patch_size {patch_size} does not divide the latent size {input_size}: "
+                f"choose a patch size among {[p for p in (1, 2, 4, 8, 16) if input_size % p == 0]}"
+            )
+        self.input_size = input_size
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.hidden_size = hidden_size
+        self.depth = depth
+        self.num_heads = num_heads
+        self.mlp_ratio = mlp_ratio
+        self.num_classes = num_classes
+        self.learn_sigma = learn_sigma
+        self.class_dropout_prob = class_dropout_prob
+
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        num_patches = self.x_embedder.num_patches
+        # Fixed, not trained, but a Parameter (not a buffer) because released checkpoints hold it.
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        self.blocks = nn.ModuleList(
+            [DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, qk_norm=qk_norm) for _ in range(depth)]
+        )
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.checkpoint_blocks: tuple[int, ...] = ()
+        self.set_activation_checkpointing(activation_checkpointing)
+        self.initialize_weights()
+
+    # ---- set-up -------------------------------------------------------------------
+    def initialize_weights(self) -> None:
+        """The paper's initialisation; the adaLN and output layers start at zero (adaLN-Zero)."""
+
+        def _basic_init(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+        self.apply(_basic_init)
+        pos = sincos_2d(self.hidden_size, self.x_embedder.grid_size)
+        self.pos_embed.data.copy_(torch.from_numpy(pos).float().unsqueeze(0))
+        w = self.x_embedder.proj.weight.data
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))  # like a Linear over the flattened patch
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        for block in self.blocks:
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
+
+    def set_activation_checkpointing(self, spec: CheckpointSpec) -> None:
+        """Choose which blocks recompute their activations in the backward pass."""
+        self.checkpoint_blocks = resolve_checkpoint_blocks(spec, self.depth)
+
+    # ---- forward --------------------------------------------------------------------
+    def unpatchify(self, x: Tensor) -> Tensor:
+        """(N, T, p*p*C) -> (N, C, H, W)."""
+        c, p = self.out_channels, self.patch_size
+        h = w = int(x.shape[1] ** 0.5)
+        x = x.reshape(x.shape[0], h, w, p, p, c)
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(x.shape[0], c, h * p, w * p)
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
+        """x: (N, C, H, W) latents, t: (N,) timesteps, y: (N,) labels (``num_classes`` = null)."""
+        x = self.x_embedder(x) + self.pos_embed
+        c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
+        recompute = self.checkpoint_blocks if (self.training and torch.is_grad_enabled()) else ()
+        for i, block in enumerate(self.blocks):
+            if i in recompute:
+                # Non-reentrant: works with DDP, torch.compile and inputs that need no grad.
+                x = checkpoint(block, x, c, use_reentrant=False)
+            else:
+                x = block(x, c)
+        return self.unpatchify(self.final_layer(x, c))
+
+    def forward_with_cfg(
+        self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float, guide_channels: Optional[int] = None
+    ) -> Tensor:
+        """Classifier-free guidance on a doubled batch: ``x = [z, z]``, ``y = [labels, null]``.
+
+        ``eps = uncond + s * (cond - uncond)`` on the first ``guide_channels`` output channels
+        (default: every epsilon channel, the correct form). ``guide_channels=3`` reproduces
+        the reference implementation, whose published FIDs were computed that way. The other
+        channels (the variance output) pass through unguided.
+        """
+        n_eps = self.in_channels if guide_channels is None else guide_channels
+        if not 0 < n_eps <= self.in_channels:
+            raise ValueError(f"guide_channels must be in 1..{self.in_channels}, got {guide_channels}")
+        half = x[: len(x) // 2]
+        out = self.forward(torch.cat([half, half], dim=0), t, y)
+        eps, rest = out[:, :n_eps], out[:, n_eps:]
+        cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
+        half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
+        return torch.cat([torch.cat([half_eps, half_eps], dim=0), rest], dim=1)
+
+
+# --------------------------------------------------------------------------------------
+# The model family
+# --------------------------------------------------------------------------------------
+
+# Sizes of the paper (Table 1); the name's suffix is the patch size.
+_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+DIT_CONFIGS: dict[str, dict[str, int]] = {
+    f"DiT-{size}/{p}": {"depth": d, "hidden_size": h, "num_heads": n, "patch_size": p}
+    for size, (d, h, n) in _SIZES.items()
+    for p in (2, 4, 8)
+}
+
+
+def dit_config(name: str) -> dict[str, int]:
+    """Depth, hidden size, heads and patch size of a named configuration (e.g. ``"DiT-XL/2"``)."""
+    key = name.strip()
+    if "/" not in key and key.count("-") == 2:  # accept the file-name spelling "DiT-XL-2"
+        head, _, patch = key.rpartition("-")
+        key = f"{head}/{patch}"
+    if key not in DIT_CONFIGS:
+        raise ValueError(f"unknown DiT model '{name}': choose one of {', '.join(DIT_CONFIGS)} or 'custom'")
+    return dict(DIT_CONFIGS[key])
+
+
+def build_dit(name: str = "DiT-XL/2", **overrides) -> DiT:
+    """Build a named DiT (``"DiT-S/2"``...), or ``"custom"`` from explicit sizes; any keyword
+    of :class:`DiT` overrides the named size (e.g. ``input_size=64`` for 512px images)."""
+    kwargs = {} if name == "custom" else dit_config(name)
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    return DiT(**kwargs)
