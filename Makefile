@@ -1,0 +1,23 @@
+# The two commands a fresh machine needs (see README):
+#   make demo   install, prepare the bundled digits store, train the demo DiT, write the sample grid
+#   make test   install with the test extras and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install demo test bench
+
+$(BIN)/dit-lightning: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(BIN)/dit-lightning
+
+demo: install
+	$(BIN)/dit-lightning fit --config configs/demo.yaml
+	$(BIN)/python -m dit_lightning.evaluation.digits --checkpoint outputs/demo/checkpoints/last.ckpt
+
+test: install
+	$(BIN)/python -m pytest -q

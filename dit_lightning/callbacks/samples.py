@@ -1,0 +1,115 @@
+"""A callback that samples a fixed class-conditional grid and shows it in TensorBoard / a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+
+from ..module import Sampler
+
+
+def make_grid_image(images: Tensor, nrow: int) -> Tensor:
+    """(N, C, H, W) in [0, 1] -> one (3, H', W') grid with ``nrow`` images per row."""
+    from torchvision.utils import make_grid
+
+    if images.shape[1] == 1:
+        images = images.expand(-1, 3, -1, -1)
+    return make_grid(images.float().cpu(), nrow=nrow, padding=1, pad_value=1.0)
+
+
+def save_png(grid: Tensor, path: str | Path, upscale: int = 1) -> Path:
+    """Write a (3, H, W) [0, 1] grid as a PNG, nearest-upscaled so small digits stay visible."""
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    array = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    image = Image.fromarray(array)
+    if upscale > 1:
+        image = image.resize((image.width * upscale, image.height * upscale), Image.NEAREST)
+    tmp = path.with_name(f".{path.name}.tmp")
+    image.save(tmp, format="PNG")
+    tmp.replace(path)
+    return path
+
+
+class SampleGrid(L.Callback):
+    """Every ``every_n_steps`` optimiser steps (and at the end of fit), sample ``per_class``
+    images for each class in ``classes`` with fixed noise from the EMA weights, and log the
+    grid (one row per class) to TensorBoard as ``samples/grid``; at the end of fit also
+    write it to ``output`` as a PNG.
+
+    Args:
+        every_n_steps: 0 samples only at the end of fit.
+        classes: the rows; default the first ``min(10, num_classes)`` classes.
+        per_class: images per row.
+        num_steps, sampler, cfg_scale: sampling settings (few steps keep it cheap).
+        seed: fixes the noise, so grids of successive steps are comparable.
+        output: PNG path written at the end of fit (None: TensorBoard only).
+        upscale: nearest-neighbour magnification of the PNG.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 0,
+        classes: Optional[list[int]] = None,
+        per_class: int = 8,
+        num_steps: int = 50,
+        sampler: Sampler = "ddpm",
+        cfg_scale: float = 1.0,
+        seed: int = 0,
+        output: Optional[str] = None,
+        upscale: int = 1,
+    ) -> None:
+        self.every_n_steps = every_n_steps
+        self.classes = classes
+        self.per_class = per_class
+        self.num_steps = num_steps
+        self.sampler = sampler
+        self.cfg_scale = cfg_scale
+        self.seed = seed
+        self.output = output
+        self.upscale = upscale
+        self.last_grid: Optional[Tensor] = None
+
+    def _labels(self, pl_module) -> list[int]:
+        classes = self.classes if self.classes is not None else list(range(min(10, pl_module.model.num_classes)))
+        return [c for c in classes for _ in range(self.per_class)]
+
+    @torch.no_grad()
+    def render(self, trainer: L.Trainer, pl_module) -> Tensor:
+        latents = pl_module.sample(
+            self._labels(pl_module),
+            num_steps=self.num_steps,
+            sampler=self.sampler,
+            cfg_scale=self.cfg_scale,
+            seed=self.seed,
+        )
+        scale = getattr(trainer.datamodule, "scale_factor", None) if trainer.datamodule is not None else None
+        images = pl_module.decode(latents, scale_factor=scale)
+        self.last_grid = make_grid_image(images, nrow=self.per_class)
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_image("samples/grid", self.last_grid, global_step=trainer.global_step)
+        return self.last_grid
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0 and trainer.is_global_zero:
+            # Several micro-batches share one optimiser step: sample once per step.
+            if getattr(self, "_last_step", None) != step:
+                self._last_step = step
+                self.render(trainer, pl_module)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero or trainer.global_step == 0:
+            return
+        grid = self.render(trainer, pl_module)
+        if self.output:
+            path = save_png(grid, self.output, upscale=self.upscale)
+            print(f"sample grid ({len(self._labels(pl_module))} images, one row per class) written to {path}")

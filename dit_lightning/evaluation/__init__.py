@@ -1,0 +1,1 @@
+"""Measuring what a trained DiT generates."""

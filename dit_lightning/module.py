@@ -1,0 +1,354 @@
+"""The LightningModule that trains a DiT with the hybrid diffusion loss and an EMA of its weights."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Sequence
+from typing import Any, Literal, Optional, Union
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+from torch import Tensor, nn
+
+from .diffusion import create_diffusion
+from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
+from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
+from .models.checkpoint import load_dit_weights, read_checkpoint
+from .models.dit import CheckpointSpec
+
+log = logging.getLogger(__name__)
+
+Sampler = Literal["ddpm", "ddim"]
+AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
+
+# Fixed keys so that validation sees the same timesteps and noise in every run and epoch.
+_VAL_STEP_KEY = -1
+_STREAM_T, _STREAM_NOISE, _STREAM_DROP = 1, 2, 3
+
+
+class DiTModule(L.LightningModule):
+    """Train a DiT on latents (``batch = {"x", "y", "index"}``) with the paper's recipe.
+
+    Args:
+        model: a registered name (``"DiT-XL/2"``, ``"DiT-S/2"``...) or ``"custom"``.
+        latent_shape: (C, H, W) of the latents; linked from the data module by the CLI.
+        num_classes: number of classes; linked from the data module by the CLI.
+        depth, hidden_size, num_heads, patch_size, mlp_ratio: override the named sizes.
+        learn_sigma: predict the variance too (the hybrid loss); else plain epsilon MSE.
+        class_dropout_prob: label dropout for classifier-free guidance.
+        qk_norm: LayerNorm on queries and keys (stabilises fp16; not in released weights).
+        activation_checkpointing: "none", "all", "half", "first:N", "every:K", N or block indices.
+        compile: ``torch.compile`` the whole network or each block ("blocks" compiles faster
+            and keeps the Python loop, so activation checkpointing still applies per block).
+        attention_backend: force an SDPA kernel (``auto`` lets PyTorch choose).
+        tf32: allow TF32 matmuls on Ampere+ GPUs (fp32 runs ~2-3x faster, tiny precision cost).
+        optimizer: optimiser factory; default AdamW(lr=1e-4, betas=(0.9, 0.999), weight_decay=0).
+        fused_optimizer: use the fused AdamW kernel on CUDA ("auto": when compatible).
+        warmup_steps: linear LR warm-up steps (0 in the paper).
+        ema: keep an exponential moving average of all weights.
+        ema_decay: EMA decay per optimiser step (0.9999 in the paper).
+        ema_warmup: use ``min(decay, (1 + n) / (10 + n))`` at step n, for short runs.
+        eval_weights: weights used by validation/test/sampling: "ema" or "raw".
+        noise_schedule, diffusion_steps: the diffusion process (linear, 1000 in the paper).
+        seed: key of the per-sample timesteps, noise and label dropout.
+        init_from: start from a checkpoint (released raw state dict, reference format or
+            Lightning); weights only, strict, with a clear error for another architecture.
+        sample_steps, sampler, cfg_scale, guide_channels: defaults for :meth:`sample`.
+        vae: the VAE that decodes latents to images ("none/pixels" for pixel-space stores);
+            linked from the data module.
+    """
+
+    def __init__(
+        self,
+        model: str = "DiT-XL/2",
+        latent_shape: Optional[Sequence[int]] = None,
+        num_classes: Optional[int] = None,
+        depth: Optional[int] = None,
+        hidden_size: Optional[int] = None,
+        num_heads: Optional[int] = None,
+        patch_size: Optional[int] = None,
+        mlp_ratio: float = 4.0,
+        learn_sigma: bool = True,
+        class_dropout_prob: float = 0.1,
+        qk_norm: bool = False,
+        activation_checkpointing: CheckpointSpec = None,
+        compile: Literal["none", "model", "blocks"] = "none",
+        attention_backend: AttentionBackend = "auto",
+        tf32: bool = True,
+        optimizer: Optional[OptimizerCallable] = None,
+        fused_optimizer: Union[bool, Literal["auto"]] = "auto",
+        warmup_steps: int = 0,
+        ema: bool = True,
+        ema_decay: float = 0.9999,
+        ema_warmup: bool = False,
+        eval_weights: Literal["ema", "raw"] = "ema",
+        noise_schedule: Literal["linear", "cosine"] = "linear",
+        diffusion_steps: int = 1000,
+        seed: int = 0,
+        init_from: Optional[str] = None,
+        sample_steps: int = 250,
+        sampler: Sampler = "ddpm",
+        cfg_scale: float = 1.0,
+        guide_channels: Optional[int] = None,
+        vae: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer"])
+        latent_shape = tuple(latent_shape) if latent_shape is not None else (4, 32, 32)
+        if len(latent_shape) != 3 or latent_shape[1] != latent_shape[2]:
+            raise ValueError(f"latent_shape must be (C, H, H) with square latents, got {latent_shape}")
+        self.model: DiT = build_dit(
+            model,
+            input_size=latent_shape[1],
+            in_channels=latent_shape[0],
+            num_classes=num_classes if num_classes is not None else 1000,
+            depth=depth,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            patch_size=patch_size,
+            mlp_ratio=mlp_ratio,
+            learn_sigma=learn_sigma,
+            class_dropout_prob=class_dropout_prob,
+            qk_norm=qk_norm,
+            activation_checkpointing=activation_checkpointing,
+        )
+        self.diffusion = create_diffusion("", noise_schedule=noise_schedule, learn_sigma=learn_sigma, diffusion_steps=diffusion_steps)
+        self.optimizer_factory = optimizer
+        self.ema: Optional[DiT] = None
+        if init_from:
+            self._load_initial_weights(init_from)
+        if ema:
+            self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
+            if init_from:
+                ema_sd = read_checkpoint(init_from)["ema"]
+                if ema_sd is not None:
+                    load_dit_weights(self.ema, ema_sd, source=f"EMA weights of '{init_from}'")
+        self._decoder_cache: dict[str, nn.Module] = {}  # a plain dict: keeps the VAE out of the state dict
+
+    # ---- weights ----------------------------------------------------------------------
+    def _load_initial_weights(self, path: str) -> None:
+        ckpt = read_checkpoint(path)
+        load_dit_weights(self.model, ckpt["model"], source=f"checkpoint '{path}'")
+
+    @property
+    def eval_model(self) -> DiT:
+        """The network used for validation and sampling (EMA unless ``eval_weights="raw"``)."""
+        if self.hparams.eval_weights == "ema" and self.ema is not None:
+            return self.ema
+        return self.model
+
+    @property
+    def shape(self) -> DiTShape:
+        return DiTShape.of(self.model)
+
+    def flops_per_image(self) -> tuple[int, int]:
+        """(useful, executed) training FLOPs per image, counting activation recomputation apart."""
+        return training_flops(self.shape, recomputed_blocks=len(self.model.checkpoint_blocks))
+
+    def forward_macs_per_image(self) -> int:
+        return dit_macs(self.shape)
+
+    # ---- set-up hooks ------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.hparams.tf32 and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        mode = self.hparams.compile
+        if mode == "model" and not getattr(self.model, "_compiled", False):
+            self.model.compile()  # in place: parameter names (and checkpoints) stay the same
+            self.model._compiled = True
+        elif mode == "blocks" and not getattr(self.model, "_compiled", False):
+            for block in self.model.blocks:
+                block.compile()
+            self.model._compiled = True
+
+    def _use_fused(self) -> bool:
+        choice = self.hparams.fused_optimizer
+        on_cuda = self.device.type == "cuda"
+        if choice is False or not on_cuda:
+            return False
+        trainer = self._trainer
+        clip = trainer is not None and trainer.gradient_clip_val not in (None, 0)
+        fp16 = trainer is not None and str(trainer.precision).startswith("16")
+        if clip and fp16:
+            # Lightning refuses to clip gradients for optimisers that unscale internally
+            # (fused AdamW under GradScaler): keep clipping, use the foreach kernel.
+            if choice is True:
+                log.warning("fused AdamW cannot be combined with gradient clipping under 16-mixed: using foreach AdamW")
+            return False
+        return True
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.optimizer_factory is not None:
+            optimizer = self.optimizer_factory(params)
+        else:
+            fused = self._use_fused()
+            optimizer = torch.optim.AdamW(
+                params, lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, fused=fused or None, foreach=None if fused else True
+            )
+        if self.hparams.warmup_steps <= 0:
+            return optimizer
+        warmup = self.hparams.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- the training objective -----------------------------------------------------------
+    def _attention_context(self):
+        backend = self.hparams.attention_backend
+        if backend == "auto":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kinds = {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH,
+        }
+        return sdpa_kernel(kinds[backend])
+
+    def diffusion_loss(self, net: nn.Module, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
+        """Per-batch mean of the hybrid loss with timesteps, noise and label dropout keyed on
+        (seed, step, sample index): independent of process layout, resumable bit-for-bit."""
+        x, y, index = batch["x"], batch["y"], batch["index"]
+        keys = sample_keys(index.to(x.device), self.hparams.seed, step_key)
+        t = keyed_randint(keys, self.diffusion.num_timesteps, stream=_STREAM_T)
+        noise = keyed_normal(keys, x.shape[1:], stream=_STREAM_NOISE).to(x.dtype)
+        kwargs: dict[str, Tensor] = {"y": y}
+        if train and self.hparams.class_dropout_prob > 0:
+            kwargs["force_drop_ids"] = keyed_uniform(keys, (), stream=_STREAM_DROP) < self.hparams.class_dropout_prob
+        with self._attention_context():
+            terms = self.diffusion.training_losses(net, x, t, model_kwargs=kwargs, noise=noise)
+        return {k: v.mean() for k, v in terms.items()}
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        terms = self.diffusion_loss(self.model, batch, self.global_step, train=True)
+        bs = batch["x"].shape[0]
+        self.log("train/loss", terms["loss"], prog_bar=True, sync_dist=True, batch_size=bs)
+        if "vb" in terms:
+            self.log("train/mse", terms["mse"], sync_dist=True, batch_size=bs)
+            self.log("train/vb", terms["vb"], sync_dist=True, batch_size=bs)
+        return terms["loss"]
+
+    def _eval_step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
+        terms = self.diffusion_loss(self.eval_model, batch, _VAL_STEP_KEY, train=False)
+        bs = batch["x"].shape[0]
+        for name, value in terms.items():
+            self.log(f"{stage}/{name}", value, sync_dist=True, batch_size=bs, prog_bar=name == "loss")
+        return terms["loss"]
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "test")
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        every = self.trainer.log_every_n_steps if self._trainer is not None else 1
+        if self.global_step % max(1, every) == 0:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            if grads:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+                self.log("train/grad_norm", norm, batch_size=1)
+
+    # ---- EMA ----------------------------------------------------------------------------
+    def ema_decay_at(self, step: int) -> float:
+        decay = self.hparams.ema_decay
+        if self.hparams.ema_warmup:
+            decay = min(decay, (1 + step) / (10 + step))
+        return decay
+
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        """ema <- decay * ema + (1 - decay) * model, over every parameter (one fused kernel)."""
+        if self.ema is None:
+            return
+        decay = self.ema_decay_at(self.global_step)
+        ema_params = list(self.ema.parameters())
+        params = [p.detach() for p in self.model.parameters()]
+        torch._foreach_lerp_(ema_params, params, 1.0 - decay)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        # Called once per optimiser step (after all accumulated micro-batches), so the EMA
+        # follows optimiser steps, not batches.
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.update_ema()
+
+    # ---- sampling -------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(
+        self,
+        labels: Union[Tensor, Sequence[int]],
+        num_steps: Optional[int] = None,
+        sampler: Optional[Sampler] = None,
+        cfg_scale: Optional[float] = None,
+        guide_channels: Optional[int] = None,
+        seed: int = 0,
+        noise: Optional[Tensor] = None,
+        use_ema: Optional[bool] = None,
+        eta: float = 0.0,
+        progress: bool = False,
+    ) -> Tensor:
+        """Class-conditional samples (latents, unscaled by the VAE factor) for ``labels``.
+
+        The initial noise and every sampling step are drawn from a generator seeded with
+        ``seed``, so the same call gives the same images.
+        """
+        hp = self.hparams
+        num_steps = num_steps or hp.sample_steps
+        sampler = sampler or hp.sampler
+        cfg_scale = hp.cfg_scale if cfg_scale is None else cfg_scale
+        guide_channels = hp.guide_channels if guide_channels is None else guide_channels
+        use_ema = (hp.eval_weights == "ema") if use_ema is None else use_ema
+        net = self.ema if (use_ema and self.ema is not None) else self.model
+        was_training = net.training
+        net.eval()
+        device = next(net.parameters()).device
+        y = torch.as_tensor(labels, dtype=torch.long, device=device)
+        n = y.shape[0]
+        shape = (n, net.in_channels, net.input_size, net.input_size)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        z = noise.to(device) if noise is not None else torch.randn(shape, generator=gen, device=device)
+        respacing = f"ddim{num_steps}" if sampler == "ddim" else str(num_steps)
+        diffusion = create_diffusion(
+            respacing,
+            noise_schedule=hp.noise_schedule,
+            learn_sigma=hp.learn_sigma,
+            diffusion_steps=hp.diffusion_steps,
+        )
+        if cfg_scale != 1.0:
+            z = torch.cat([z, z], dim=0)
+            y = torch.cat([y, torch.full_like(y, net.num_classes)], dim=0)
+
+            def model_fn(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+                return net.forward_with_cfg(x, t, y, cfg_scale, guide_channels)
+
+        else:
+            model_fn = net.forward
+        kwargs = dict(noise=z, clip_denoised=False, model_kwargs={"y": y}, device=device, progress=progress, generator=gen)
+        with self._attention_context():
+            if sampler == "ddim":
+                out = diffusion.ddim_sample_loop(model_fn, z.shape, eta=eta, **kwargs)
+            else:
+                out = diffusion.p_sample_loop(model_fn, z.shape, **kwargs)
+        net.train(was_training)
+        return out[:n]
+
+    def decode(self, latents: Tensor, scale_factor: Optional[float] = None) -> Tensor:
+        """Images in [0, 1], (N, 3 or 1, H, W): through the VAE, or directly for pixel stores."""
+        vae_name = self.hparams.vae
+        if not vae_name or vae_name.startswith("none"):
+            return ((latents + 1) / 2).clamp(0, 1)
+        if vae_name not in self._decoder_cache:
+            from diffusers.models import AutoencoderKL
+
+            vae = AutoencoderKL.from_pretrained(vae_name).eval().requires_grad_(False)
+            self._decoder_cache[vae_name] = vae
+        vae = self._decoder_cache[vae_name].to(latents.device)
+        factor = scale_factor if scale_factor is not None else 0.18215
+        images = vae.decode(latents / factor).sample
+        return ((images + 1) / 2).clamp(0, 1)
