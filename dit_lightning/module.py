@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
 
@@ -20,6 +21,8 @@ from .models.checkpoint import load_dit_weights, read_checkpoint
 from .models.dit import CheckpointSpec
 
 log = logging.getLogger(__name__)
+# The EMA copy is in eval mode on purpose (it is never trained); Lightning warns about it.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 Sampler = Literal["ddpm", "ddim"]
 AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]

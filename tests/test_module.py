@@ -1,0 +1,174 @@
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dit_lightning.models import DiT
+from dit_lightning.models.checkpoint import read_checkpoint
+from dit_lightning.module import DiTModule
+from dit_lightning.export import export_checkpoint
+
+TINY = dict(model="custom", latent_shape=(1, 8, 8), num_classes=10, depth=2, hidden_size=32, num_heads=4, patch_size=2)
+
+
+class DictDataset(Dataset):
+    def __init__(self, n: int = 32):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 1, 8, 8, generator=g).clamp(-1, 1)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i], "index": torch.tensor(i)}
+
+
+def trainer(**kw):
+    base = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    base.update(kw)
+    return L.Trainer(**base)
+
+
+class RecordingModule(DiTModule):
+    """Records the raw weights at every EMA update."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.snapshots = []
+
+    def update_ema(self):
+        self.snapshots.append([p.detach().clone() for p in self.model.parameters()])
+        super().update_ema()
+
+
+def test_ema_follows_optimizer_steps_under_accumulation():
+    module = RecordingModule(**TINY, ema_decay=0.5)
+    init = [p.detach().clone() for p in module.model.parameters()]
+    trainer(max_steps=3, accumulate_grad_batches=2).fit(module, DataLoader(DictDataset(), batch_size=4))
+    assert len(module.snapshots) == 3 == module.trainer.global_step  # 6 batches, 3 optimiser steps
+    expected = init
+    for snap in module.snapshots:
+        expected = [0.5 * e + 0.5 * s for e, s in zip(expected, snap)]
+    for e, p in zip(expected, module.ema.parameters()):
+        torch.testing.assert_close(p, e)
+    assert not any(p.requires_grad for p in module.ema.parameters())
+
+
+def test_ema_warmup_decay():
+    module = DiTModule(**TINY, ema_decay=0.999, ema_warmup=True)
+    assert module.ema_decay_at(0) == pytest.approx(0.1)
+    assert module.ema_decay_at(90) == pytest.approx(91 / 100)
+    assert module.ema_decay_at(10**7) == 0.999
+
+
+def test_loss_is_independent_of_how_the_batch_is_split():
+    module = DiTModule(**TINY).train()
+    data = DictDataset(16)
+    whole = next(iter(DataLoader(data, batch_size=16)))
+    halves = list(DataLoader(data, batch_size=8))
+    with torch.no_grad():
+        a = module.diffusion_loss(module.model, whole, step_key=5, train=True)["loss"]
+        b = sum(module.diffusion_loss(module.model, h, step_key=5, train=True)["loss"] for h in halves) / 2
+        c = module.diffusion_loss(module.model, whole, step_key=6, train=True)["loss"]
+    torch.testing.assert_close(a, b)
+    assert not torch.allclose(a, c)
+
+
+def test_training_reduces_the_loss_on_a_single_batch():
+    module = DiTModule(**TINY, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3))
+    batch = next(iter(DataLoader(DictDataset(16), batch_size=16)))
+    opt = module.configure_optimizers()
+    module.train()
+    losses = []
+    for _ in range(60):
+        loss = module.diffusion_loss(module.model, batch, step_key=0, train=False)["loss"]  # fixed t and noise
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_bf16_mixed_and_gradient_clipping_and_warmup_fit_on_cpu():
+    module = DiTModule(**TINY, warmup_steps=4)
+    t = trainer(max_steps=3, precision="bf16-mixed", gradient_clip_val=1.0)
+    t.fit(module, DataLoader(DictDataset(), batch_size=8))
+    assert torch.isfinite(t.callback_metrics["train/loss"])
+    assert t.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(1e-4 * 4 / 4)
+
+
+def test_sampling_is_deterministic_given_a_seed():
+    module = DiTModule(**TINY)
+    with torch.no_grad():
+        for p in module.ema.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    a = module.sample([1, 2], num_steps=5, seed=3, cfg_scale=2.0)
+    b = module.sample([1, 2], num_steps=5, seed=3, cfg_scale=2.0)
+    c = module.sample([1, 2], num_steps=5, seed=4, cfg_scale=2.0)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    d1 = module.sample([1, 2], num_steps=5, sampler="ddim", seed=3)
+    d2 = module.sample([1, 2], num_steps=5, sampler="ddim", seed=3)
+    assert torch.equal(d1, d2) and d1.shape == (2, 1, 8, 8)
+
+
+def test_init_from_raw_state_dict_and_architecture_mismatch(tmp_path):
+    src = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=4, num_classes=10)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p))
+    path = tmp_path / "raw.pt"
+    torch.save(src.state_dict(), path)
+    module = DiTModule(**TINY, init_from=str(path))
+    for a, b, c in zip(src.parameters(), module.model.parameters(), module.ema.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(ValueError, match=r"another architecture \(depth=2, hidden_size=32.*configured model \(depth=3"):
+        DiTModule(**{**TINY, "depth": 3}, init_from=str(path))
+
+
+def test_lightning_checkpoint_loads_weights_only_and_exports_to_reference_format(tmp_path):
+    module = DiTModule(**TINY, ema_decay=0.5)
+    t = trainer(max_steps=2, default_root_dir=tmp_path)
+    t.fit(module, DataLoader(DictDataset(), batch_size=8))
+    ckpt = tmp_path / "run.ckpt"
+    t.save_checkpoint(ckpt)
+    raw = torch.load(ckpt, weights_only=True)  # no pickled objects in our checkpoints
+    assert raw["global_step"] == 2
+    restored = DiTModule.load_from_checkpoint(ckpt, weights_only=True)
+    for a, b in zip(module.ema.parameters(), restored.ema.parameters()):
+        assert torch.equal(a, b)
+
+    ref = tmp_path / "ref.pt"
+    export_checkpoint(str(ckpt), str(ref))
+    out = torch.load(ref, weights_only=True)
+    assert set(out) == {"model", "ema", "opt", "args"}
+    plain = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=4, num_classes=10)
+    plain.load_state_dict(out["ema"], strict=True)
+    for a, b in zip(plain.parameters(), module.ema.parameters()):
+        assert torch.equal(a, b)
+    assert out["args"]["model_config"]["depth"] == 2
+
+    raw_path = tmp_path / "raw.pt"
+    export_checkpoint(str(ckpt), str(raw_path), format="raw")
+    assert read_checkpoint(raw_path)["model"].keys() == plain.state_dict().keys()
+
+
+def test_read_checkpoint_refuses_non_dit_and_truncated_files(tmp_path):
+    bad = tmp_path / "other.pt"
+    torch.save({"encoder.weight": torch.zeros(2)}, bad)
+    with pytest.raises(ValueError, match="not a DiT checkpoint"):
+        read_checkpoint(bad)
+    src = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=4, num_classes=10)
+    good = tmp_path / "good.pt"
+    torch.save(src.state_dict(), good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="could not read checkpoint"):
+        read_checkpoint(truncated)
+
+
+def test_flops_per_image_counts_recompute_apart():
+    plain = DiTModule(**TINY)
+    ckpt = DiTModule(**TINY, activation_checkpointing="all")
+    assert plain.flops_per_image()[0] == ckpt.flops_per_image()[0] == plain.flops_per_image()[1]
+    assert ckpt.flops_per_image()[1] > ckpt.flops_per_image()[0]
