@@ -7,7 +7,10 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.io import CheckpointIO
 
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -17,6 +20,10 @@ from .data import LatentDataModule
 from .module import DiTModule
 
 
+def _store_vae(data: LatentDataModule) -> str:
+    return data.spec.vae
+
+
 class DiTCLI(LightningCLI):
     """LightningCLI with the model's latent shape, classes and VAE linked to the data store,
     so a model and a store that do not match cannot be configured."""
@@ -24,11 +31,23 @@ class DiTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.latent_shape", "model.latent_shape", apply_on="instantiate")
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
-        parser.link_arguments("data.vae_name", "model.vae", apply_on="instantiate")
+        parser.link_arguments("data", "model.vae", compute_fn=_store_vae, apply_on="instantiate")
         # Always-on, configurable checkpointing: every N optimiser steps plus `last.ckpt`.
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 1000})
         parser.add_lightning_class_args(RichProgressBar, "progress_bar")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        # Atomic checkpoint writes unless the user configured their own CheckpointIO plugin.
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        if trainer_config.get("enable_progress_bar") is False:  # the forced rich bar would clash with it
+            parser = self._parser(self.subcommand)
+            parser.callback_keys = [k for k in parser.callback_keys if k != "progress_bar"]
+        plugins = kwargs.get("plugins") or trainer_config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs["plugins"] = plugins + [AtomicCheckpointIO()]
+        return super().instantiate_trainer(**kwargs)
 
 
 def _tools() -> dict[str, Callable]:
@@ -46,19 +65,18 @@ TOOL_NAMES = ("extract", "prepare-digits", "export")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in TOOL_NAMES:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in TOOL_NAMES:
         from jsonargparse import CLI
 
-        CLI(_tools()[argv[0]], args=argv[1:], as_positional=False)
+        CLI(_tools()[args[0]], args=args[1:], as_positional=False)
         return
     DiTCLI(
         DiTModule,
         LatentDataModule,
-        trainer_defaults={"plugins": [AtomicCheckpointIO()]},
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": "Train DiT with Lightning. Tools: " + ", ".join(TOOL_NAMES) + " (dit-lightning TOOL --help)."},
-        args=argv,
+        args=argv,  # None: LightningCLI reads sys.argv itself
     )
 
 

@@ -1,0 +1,113 @@
+"""Timestep respacing: run a trained T-step process on a subset of its steps.
+
+Keeping the cumulative alphas at the retained steps defines a shorter Markov chain with
+the same marginals q(x_t | x_0); the model, trained on the original indices, is called
+with the original index of every retained step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .gaussian_diffusion import GaussianDiffusion, ModelFn
+
+
+def space_timesteps(num_timesteps: int, section_counts: Union[str, list[int]]) -> set[int]:
+    """Timesteps of the original process to keep.
+
+    ``"ddimN"``: the integer stride ``s`` for which ``range(0, T, s)`` has exactly N steps.
+    Otherwise counts per equal section (``"10,15,20"`` or a list): the T steps are cut
+    into ``len(counts)`` near-equal sections (earlier ones one longer when T does not
+    divide) and each keeps its count of steps at rounded fractional strides, so its first
+    and last steps are always kept. ``"250"`` out of 1000 keeps 0 and 999.
+    """
+    if isinstance(section_counts, str):
+        if section_counts.startswith("ddim"):
+            desired = int(section_counts[len("ddim") :])
+            for stride in range(1, num_timesteps):
+                if len(range(0, num_timesteps, stride)) == desired:
+                    return set(range(0, num_timesteps, stride))
+            raise ValueError(f"cannot take exactly {desired} steps with an integer stride out of {num_timesteps}")
+        section_counts = [int(x) for x in section_counts.split(",")]
+    if not section_counts:
+        raise ValueError("section_counts is empty")
+
+    size_per, extra = divmod(num_timesteps, len(section_counts))
+    start = 0
+    kept: list[int] = []
+    for i, count in enumerate(section_counts):
+        size = size_per + (1 if i < extra else 0)
+        if size < count:
+            raise ValueError(f"cannot take {count} steps from a section of {size}")
+        if count < 1:
+            raise ValueError(f"every section needs at least one step, got {count}")
+        stride = 1.0 if count == 1 else (size - 1) / (count - 1)
+        # The position is accumulated (not k * stride) and rounded half to even by Python's
+        # round, as the reference does: both change which steps are picked, and sampling
+        # at "250" etc. must pick the same steps the published numbers used.
+        position = 0.0
+        for _ in range(count):
+            kept.append(start + round(position))
+            position += stride
+        start += size
+    return set(kept)
+
+
+class _TimestepMappedModel:
+    """Calls the wrapped model with the original index of each spaced timestep."""
+
+    def __init__(self, model_fn: ModelFn, timestep_map: list[int]) -> None:
+        self.model_fn = model_fn
+        self.timestep_map = timestep_map
+        self._map_cache: dict[torch.device, Tensor] = {}
+
+    def __call__(self, x: Tensor, t: Tensor, **kwargs: Any) -> Tensor:
+        table = self._map_cache.get(t.device)
+        if table is None:
+            table = torch.tensor(self.timestep_map, dtype=torch.long, device=t.device)
+            self._map_cache[t.device] = table
+        return self.model_fn(x, table[t.long()].to(t.dtype), **kwargs)
+
+
+class SpacedDiffusion(GaussianDiffusion):
+    """A :class:`GaussianDiffusion` that keeps only ``use_timesteps`` of the base process.
+
+    ``kwargs`` are those of the base :class:`GaussianDiffusion` (``betas`` of the full
+    schedule, ``model_var_type``, ``loss_type``). Indices 0..len(use_timesteps)-1 of
+    this process are mapped back to the original ones before every model call: every
+    public method that takes a ``model_fn`` (``training_losses``, ``p_mean_variance``,
+    the samplers) wraps it through :meth:`_wrap_model`.
+    """
+
+    def __init__(self, use_timesteps: Iterable[int], **kwargs: Any) -> None:
+        self.use_timesteps = set(int(t) for t in use_timesteps)
+        base = GaussianDiffusion(**kwargs)
+        if not self.use_timesteps or not self.use_timesteps <= set(range(base.num_timesteps)):
+            raise ValueError(f"use_timesteps must be a non-empty subset of range({base.num_timesteps})")
+        self.original_num_steps = base.num_timesteps
+        self.timestep_map: list[int] = []
+        new_betas = []
+        last_alpha_cumprod = 1.0
+        for i, alpha_cumprod in enumerate(base.alphas_cumprod):
+            if i in self.use_timesteps:
+                # The beta that carries acp from the previous retained step to this one.
+                new_betas.append(1.0 - alpha_cumprod / last_alpha_cumprod)
+                last_alpha_cumprod = alpha_cumprod
+                self.timestep_map.append(i)
+        kwargs["betas"] = np.array(new_betas, dtype=np.float64)
+        super().__init__(**kwargs)
+
+    def _wrap_model(self, model_fn: ModelFn) -> ModelFn:
+        # Idempotent: public entry points wrap, and may call one another.
+        if isinstance(model_fn, _TimestepMappedModel) and model_fn.timestep_map is self.timestep_map:
+            return model_fn
+        return _TimestepMappedModel(model_fn, self.timestep_map)
+
+    def original_timesteps(self, t: Tensor) -> Tensor:
+        """Original-process indices of spaced timesteps ``t``."""
+        return torch.tensor(self.timestep_map, dtype=torch.long, device=t.device)[t.long()]

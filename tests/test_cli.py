@@ -1,0 +1,91 @@
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dit_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs" / "demo.yaml")
+# The demo's model and data shrunk so a fit takes seconds.
+TINY = [
+    "--model.depth", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
+    "--data.global_batch_size", "32", "--data.val_size", "64",
+    "--trainer.callbacks=[]", "--trainer.log_every_n_steps", "1", "--trainer.enable_model_summary", "false",
+    "--trainer.enable_progress_bar", "false",
+]
+
+
+def run_cli(args, tmp_path, check=True):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dit_lightning.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def fit_args(tmp_path, name, steps, extra=()):
+    out = tmp_path / name
+    return [
+        "fit", "--config", DEMO, *TINY,
+        "--data.path", str(tmp_path / "digits"),
+        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "1000",
+        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir", str(out), "--trainer.logger.name", "", "--trainer.logger.version", "",
+        "--checkpoint.dirpath", str(out / "ckpt"), "--checkpoint.every_n_train_steps", "4",
+        *extra,
+    ]
+
+
+def losses(run_dir: Path) -> dict[int, str]:
+    with open(run_dir / "metrics.csv") as f:
+        return {int(r["step"]): r["train/loss"] for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+def test_print_config_merges_configs_and_overrides(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", DEMO, "--config", str(ROOT / "configs/hardware/cpu.yaml"), "--model.depth", "3", "--print_config"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "depth: 3" in out and "precision: 32-true" in out and "accelerator: cpu" in out
+    assert "latent_shape" not in out.split("data:")[0].split("model:")[1]  # linked, not configurable
+
+
+def test_batch_that_does_not_divide_fails_before_training(tmp_path):
+    proc = run_cli(fit_args(tmp_path, "bad", 2, ["--data.global_batch_size", "30", "--trainer.accumulate_grad_batches", "4"]), tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "global_batch_size 30" in proc.stderr and "accumulat" in proc.stderr
+
+
+def test_patch_that_does_not_divide_the_latent_fails_clearly(tmp_path):
+    proc = run_cli(fit_args(tmp_path, "bad", 2, ["--model.patch_size", "3"]), tmp_path, check=False)
+    assert proc.returncode != 0 and "does not divide the latent size 8" in proc.stderr
+
+
+def test_unknown_model_name_fails_clearly(tmp_path):
+    proc = run_cli(fit_args(tmp_path, "bad", 2, ["--model.model", "DiT-XXL/2"]), tmp_path, check=False)
+    assert proc.returncode != 0 and "unknown DiT model 'DiT-XXL/2'" in proc.stderr
+
+
+def test_killed_run_resumes_bit_for_bit(tmp_path):
+    """A run SIGKILLed mid-epoch and resumed from last.ckpt logs exactly the losses of an
+    uninterrupted run (12 steps, checkpoints every 4, killed after step 10)."""
+    run_cli(fit_args(tmp_path, "full", 12), tmp_path)
+    killed = run_cli(
+        fit_args(tmp_path, "killed", 12, ["--trainer.callbacks+=tests.cli_helpers.KillAtStep", "--trainer.callbacks.step", "10"]),
+        tmp_path,
+        check=False,
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    ckpt = tmp_path / "killed" / "ckpt" / "last.ckpt"
+    assert ckpt.exists()
+    run_cli(fit_args(tmp_path, "killed", 12, ["--ckpt_path", str(ckpt)]), tmp_path)
+    full, resumed = losses(tmp_path / "full"), losses(tmp_path / "killed")
+    assert len(full) >= 12
+    resumed_steps = [s for s in resumed if s >= 8]
+    assert resumed_steps and all(resumed[s] == full[s] for s in resumed_steps), (full, resumed)
