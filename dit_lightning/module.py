@@ -136,6 +136,14 @@ class DiTModule(L.LightningModule):
         ckpt = read_checkpoint(path)
         load_dit_weights(self.model, ckpt["model"], source=f"checkpoint '{path}'")
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Refuse a checkpoint of another architecture with a message that says which one it
+        # is, before Lightning's generic load_state_dict error.
+        from .models.checkpoint import _strip, check_dit_weights
+
+        sd = checkpoint.get("state_dict", {})
+        check_dit_weights(self.model, _strip(sd, "model."), source="the checkpoint being resumed")
+
     @property
     def eval_model(self) -> DiT:
         """The network used for validation and sampling (EMA unless ``eval_weights="raw"``)."""

@@ -89,3 +89,13 @@ def test_killed_run_resumes_bit_for_bit(tmp_path):
     assert len(full) >= 12
     resumed_steps = [s for s in resumed if s >= 8]
     assert resumed_steps and all(resumed[s] == full[s] for s in resumed_steps), (full, resumed)
+
+
+CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml") if p.name != "demo.yaml")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_config_parses_on_top_of_the_demo(config, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", DEMO, "--config", str(ROOT / config), "--print_config"])
+    assert e.value.code == 0, capsys.readouterr().err

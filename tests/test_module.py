@@ -172,3 +172,48 @@ def test_flops_per_image_counts_recompute_apart():
     ckpt = DiTModule(**TINY, activation_checkpointing="all")
     assert plain.flops_per_image()[0] == ckpt.flops_per_image()[0] == plain.flops_per_image()[1]
     assert ckpt.flops_per_image()[1] > ckpt.flops_per_image()[0]
+
+
+def test_resuming_a_checkpoint_of_another_architecture_fails_clearly(tmp_path):
+    module = DiTModule(**TINY)
+    t = trainer(max_steps=1, default_root_dir=tmp_path)
+    t.fit(module, DataLoader(DictDataset(), batch_size=8))
+    t.save_checkpoint(tmp_path / "a.ckpt")
+    other = DiTModule(**{**TINY, "hidden_size": 64})
+    with pytest.raises(ValueError, match="the checkpoint being resumed holds another architecture"):
+        trainer(max_steps=2, default_root_dir=tmp_path).fit(other, DataLoader(DictDataset(), batch_size=8), ckpt_path=tmp_path / "a.ckpt")
+
+
+def test_compile_in_place_keeps_parameter_names_and_outputs():
+    module = DiTModule(**TINY, compile="model")
+    keys = list(module.state_dict())
+    module.configure_model()
+    assert list(module.state_dict()) == keys  # checkpoints stay loadable by plain DiTs
+    batch = next(iter(DataLoader(DictDataset(8), batch_size=8)))
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.add_(0.01)
+        out = module.model(batch["x"], torch.full((8,), 10), batch["y"])
+        ref = module.ema(batch["x"], torch.full((8,), 10), batch["y"])
+    assert not torch.allclose(out, ref)  # the compiled network is the trained one, not a copy
+
+
+def test_forced_attention_backend_matches_auto():
+    batch = next(iter(DataLoader(DictDataset(8), batch_size=8)))
+    a = DiTModule(**TINY)
+    b = DiTModule(**TINY, attention_backend="math")
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        la = a.diffusion_loss(a.model, batch, 0, train=False)["loss"]
+        lb = b.diffusion_loss(b.model, batch, 0, train=False)["loss"]
+    torch.testing.assert_close(la, lb)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed with GradScaler needs a CUDA device")
+def test_16_mixed_with_grad_scaler_on_gpu():
+    module = DiTModule(**TINY)
+    t = L.Trainer(max_steps=3, accelerator="gpu", devices=1, precision="16-mixed", gradient_clip_val=1.0, logger=False, enable_checkpointing=False)
+    t.fit(module, DataLoader(DictDataset(), batch_size=8))
+    assert torch.isfinite(t.callback_metrics["train/loss"])
+    assert t.precision_plugin.scaler is not None
+    assert not module.optimizers().optimizer.defaults.get("fused")  # fused + clipping + GradScaler is refused by Lightning

@@ -136,9 +136,8 @@ def describe(cfg: dict[str, Any]) -> str:
     return ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
 
 
-def load_dit_weights(model: nn.Module, sd: StateDict, source: str = "checkpoint") -> None:
-    """``load_state_dict(strict=True)`` with an error that says which architecture the
-    checkpoint holds when it is not the configured one."""
+def check_dit_weights(model: nn.Module, sd: StateDict, source: str = "checkpoint") -> None:
+    """Raise a ValueError naming both architectures if ``sd`` does not fit ``model`` exactly."""
     own = model.state_dict()
     sd = _clean(sd)
     missing = sorted(set(own) - set(sd))
@@ -165,7 +164,13 @@ def load_dit_weights(model: nn.Module, sd: StateDict, source: str = "checkpoint"
             f"{source} holds another architecture ({theirs}) than the configured model ({mine}): {detail}. "
             "Configure the model to match the checkpoint (or sample with the architecture inferred from it)."
         )
-    model.load_state_dict(sd, strict=True)
+
+
+def load_dit_weights(model: nn.Module, sd: StateDict, source: str = "checkpoint") -> None:
+    """``load_state_dict(strict=True)`` with an error that says which architecture the
+    checkpoint holds when it is not the configured one."""
+    check_dit_weights(model, sd, source)
+    model.load_state_dict(_clean(sd), strict=True)
 
 
 def to_reference_format(
