@@ -15,6 +15,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from .callbacks.config_logger import TensorBoardConfigLogger
 from .checkpoint_io import AtomicCheckpointIO
 from .data import LatentDataModule
 from .module import DiTModule
@@ -74,6 +75,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     DiTCLI(
         DiTModule,
         LatentDataModule,
+        save_config_callback=TensorBoardConfigLogger,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": "Train DiT with Lightning. Tools: " + ", ".join(TOOL_NAMES) + " (dit-lightning TOOL --help)."},
         args=argv,  # None: LightningCLI reads sys.argv itself

@@ -1,5 +1,8 @@
-"""Lightning callbacks: sample grids (and, with the monitoring issue, memory and throughput)."""
+"""Lightning callbacks: sample grids, throughput/MFU, memory, and the TensorBoard config logger."""
 
+from .config_logger import TensorBoardConfigLogger
+from .memory import GPUMemoryMonitor
 from .samples import SampleGrid
+from .throughput import DiTThroughputMonitor
 
-__all__ = ["SampleGrid"]
+__all__ = ["DiTThroughputMonitor", "GPUMemoryMonitor", "SampleGrid", "TensorBoardConfigLogger"]
