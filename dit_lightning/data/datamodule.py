@@ -1,0 +1,610 @@
+"""LatentDataModule: batched, distributed-aware, resumable loading of a latent store.
+
+How batches are made (see docs/data.md):
+
+* Epoch ``e`` uses the permutation ``default_rng([seed, e]).permutation`` of the train split;
+  micro-step ``s`` takes the global slice ``perm[s*b*W : (s+1)*b*W]`` (``b`` the micro-batch,
+  ``W`` the world size) and rank ``r`` its ``r``-th chunk of ``b``. So the samples of one
+  optimizer step are the same whatever ``W`` and the accumulation, and the union over ranks
+  of a step is what one process sees with a ``W``-times larger micro-batch.
+* The augmentation of sample ``i`` in epoch ``e`` (flip bit, posterior noise) is a pure
+  function of ``(seed, e, i)`` (counter-based RNG, ``rng.py``), so it does not depend on rank,
+  worker, batch or resume either.
+* A sampler in the main process yields one index array per micro-batch; a worker reads the
+  whole batch with one sorted fancy-index per shard and augments it vectorised. The sampler
+  subclasses ``DistributedSampler`` so Lightning (use_distributed_sampler=True) leaves it alone
+  instead of injecting its own; epochs reach it through Lightning's ``set_epoch`` call.
+* The train DataLoader is stateful (``state_dict``/``load_state_dict``, which Lightning saves
+  in checkpoints): resuming mid-epoch skips the micro-batches already trained on, so the run
+  continues with exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any, Callable, Literal, NamedTuple, Optional, Union
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from . import store as st
+from .digits import digits_spec, prepare_digits
+from .rng import NoiseKernel, flip_bits, to_float32
+
+
+class BatchRequest(NamedTuple):
+    """What the sampler hands a worker: the (sorted) global indices of one micro-batch, its
+    epoch, and (with worker processes) the slot of the shared output pool to write into."""
+
+    indices: np.ndarray
+    epoch: int
+    slot: int = -1
+
+
+class LatentBatchDataset(Dataset):
+    """Map-style dataset whose items are whole batches: ``dataset[BatchRequest]`` -> batch dict.
+
+    ``train=True``: random flip (when the store has flips and ``random_flip``) and a fresh
+    posterior sample (variant "moments" and ``sample_posterior``), both keyed by
+    (seed, epoch, index). ``train=False``: posterior mean, unflipped image.
+    """
+
+    def __init__(
+        self,
+        store: Union[st.LatentStore, str],
+        train: bool = True,
+        seed: int = 0,
+        random_flip: bool = True,
+        sample_posterior: bool = True,
+    ) -> None:
+        self.store = store if isinstance(store, st.LatentStore) else st.LatentStore(store)
+        self.train, self.seed = train, int(seed)
+        self.random_flip = random_flip and train and self.store.num_flips > 1
+        self.sample_posterior = sample_posterior and train and self.store.variant == "moments"
+        self.scale = float(self.store.scale_factor)
+        self._kernel: Optional[NoiseKernel] = None
+        # (slots, micro_batch * C*H*W) float32 in shared memory, set by BatchDataLoader
+        self.pool: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_kernel"] = None  # buffers are rebuilt in each worker
+        return state
+
+    @property
+    def sample_numel(self) -> int:
+        return int(np.prod(self.store.latent_shape))
+
+    def __getitem__(self, request: Union[BatchRequest, np.ndarray]) -> dict[str, Any]:
+        if not isinstance(request, BatchRequest):
+            request = BatchRequest(np.asarray(request, dtype=np.int64).reshape(-1), 0)
+        if request.slot >= 0 and self.pool is not None:
+            # Worker process: write x into the shared pool and send back only the slot and the
+            # small arrays. Torch's default path would allocate a fresh shared-memory segment
+            # and pass its file descriptor over a socket for every tensor of every batch, which
+            # costs more CPU than computing the batch.
+            B = len(request.indices)
+            out = self.pool[request.slot, : B * self.sample_numel].numpy().reshape(B, -1)
+            x, y, idx = self._compute(request.indices, request.epoch, out)
+            return {"slot": request.slot, "n": B, "y": y, "index": idx}
+        return self.get_batch(request.indices, request.epoch)
+
+    def _compute(
+        self, indices: np.ndarray, epoch: int, out: Optional[np.ndarray] = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        idx = np.asarray(indices, dtype=np.int64)
+        store = self.store
+        B = len(idx)
+        flip = flip_bits(self.seed, epoch, idx) if self.random_flip else 0
+        raw = store.read(idx, flip=flip)  # (B, K, C, H, W) storage dtype
+        if out is None:
+            out = np.empty((B, self.sample_numel), np.float32)
+        if self.sample_posterior:
+            if self._kernel is None:
+                self._kernel = NoiseKernel(self.sample_numel)
+            self._kernel.posterior_sample(
+                raw[:, 0].reshape(B, -1), raw[:, 1].reshape(B, -1), self.seed, epoch, idx, self.scale, out=out
+            )
+        else:
+            to_float32(raw[:, 0].reshape(B, -1), out=out)  # the mean (moments) or the stored sample
+            if self.scale != 1.0:
+                out *= np.float32(self.scale)
+        return out, store.labels[idx], idx.copy()
+
+    def get_batch(self, indices: np.ndarray, epoch: int = 0) -> dict[str, torch.Tensor]:
+        """Read and augment one batch (``indices`` preferably sorted: then no reordering copy)."""
+        x, y, idx = self._compute(indices, epoch)
+        return {
+            "x": torch.from_numpy(x.reshape(len(idx), *self.store.latent_shape)),
+            "y": torch.from_numpy(y),
+            "index": torch.from_numpy(idx),
+        }
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The shuffle of epoch ``epoch``: a pure function of (seed, epoch)."""
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), 0x5EED]).permutation(n)
+
+
+class LatentBatchSampler(DistributedSampler):
+    """Yields one ``BatchRequest`` per micro-batch of this rank (see the module docstring).
+
+    It is a ``DistributedSampler`` subclass only so that Lightning does not replace it; it
+    needs no process group (rank and world size are given).
+    """
+
+    def __init__(
+        self,
+        indices: np.ndarray,
+        micro_batch_size: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        accumulate_grad_batches: int = 1,
+    ) -> None:
+        Sampler.__init__(self)
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} outside world size {num_replicas}")
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.micro_batch_size = int(micro_batch_size)
+        self.num_replicas, self.rank = int(num_replicas), int(rank)
+        self.shuffle, self.seed, self.drop_last = shuffle, int(seed), drop_last
+        self.accumulate_grad_batches = int(accumulate_grad_batches)
+        self.epoch = 0
+        self.skip = 0  # micro-batches to skip at the start of the next iteration (resume)
+        self.iter_epoch = 0  # epoch of the iteration in progress (or last started)
+        self.dataset = None
+        self.num_slots = 0  # set by the DataLoader when it uses a shared output pool
+        # DistributedSampler's bookkeeping names: samples per replica and over all replicas
+        self.num_samples = len(self) * self.micro_batch_size
+        self.total_size = self.num_samples * self.num_replicas
+
+    @property
+    def step_size(self) -> int:
+        """Samples per micro-step over all ranks."""
+        return self.micro_batch_size * self.num_replicas
+
+    def __len__(self) -> int:
+        n, g = len(self.indices), self.step_size
+        if self.shuffle and self.drop_last:
+            # whole optimizer steps only, so every step has exactly global_batch_size samples
+            return (n // (g * self.accumulate_grad_batches)) * self.accumulate_grad_batches
+        if self.drop_last:
+            return n // g
+        return -(-n // g)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """All ranks' samples of an epoch in step order (length ``len(self) * step_size`` or less)."""
+        if self.shuffle:
+            order = self.indices[epoch_permutation(self.seed, epoch, len(self.indices))]
+        else:
+            order = self.indices
+        need = len(self) * self.step_size
+        if self.shuffle and need > len(order):
+            order = np.resize(order, need)  # wrap around to fill the last step (drop_last=False)
+        return order[:need] if self.shuffle or self.drop_last else order
+
+    def rank_batch(self, order: np.ndarray, step: int) -> np.ndarray:
+        """This rank's sorted indices of micro-step ``step``."""
+        g, b, r, W = self.step_size, self.micro_batch_size, self.rank, self.num_replicas
+        chunk = order[step * g : (step + 1) * g]
+        if len(chunk) == g:
+            part = chunk[r * b : (r + 1) * b]
+        else:  # last, partial evaluation step: split it evenly; pad if fewer samples than ranks
+            if len(chunk) < W:
+                chunk = np.resize(np.concatenate([chunk, order]), W)
+            part = np.array_split(chunk, W)[r]
+        return np.sort(part)
+
+    def __iter__(self) -> Iterator[BatchRequest]:
+        epoch, start = self.epoch, self.skip
+        self.iter_epoch, self.skip = epoch, 0
+        order = self.epoch_order(epoch)
+        steps, slots = len(self), self.num_slots
+        # Requests are dispatched and returned in order, so slot = position % slots is free
+        # again once the pool has more slots than batches in flight (see BatchDataLoader).
+        return (
+            BatchRequest(self.rank_batch(order, s), epoch, (s - start) % slots if slots else -1)
+            for s in range(start, steps)
+        )
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class _CopyOut:
+    """Iterator over a worker DataLoader that turns pool slots back into batch dicts.
+
+    x is copied out of the slot at once (into pinned memory when pinning), so the slot can be
+    reused and the batch stays valid however long the caller keeps it.
+    """
+
+    def __init__(self, it: Iterator[Any], pool: torch.Tensor, shape: tuple[int, ...], pin: bool) -> None:
+        self._it, self._shape, self._pin = it, shape, pin
+        self._pool_np = pool.numpy()
+
+    def __iter__(self) -> "_CopyOut":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        r = next(self._it)
+        if "slot" not in r:
+            return r
+        n = r["n"]
+        x = torch.empty((n, *self._shape), dtype=torch.float32, pin_memory=self._pin)
+        # numpy's copy is a plain single-threaded memcpy; torch's copy_ would wake its OpenMP
+        # pool, whose spinning threads cost far more CPU than the copy on a busy host
+        np.copyto(x.numpy().reshape(-1), self._pool_np[r["slot"], : x.numel()])
+        y, idx = torch.from_numpy(r["y"]), torch.from_numpy(r["index"])
+        if self._pin:
+            y, idx = y.pin_memory(), idx.pin_memory()
+        return {"x": x, "y": y, "index": idx}
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_it":
+            raise AttributeError(name)
+        return getattr(self._it, name)  # e.g. _shutdown_workers for whoever looks for it
+
+
+class BatchDataLoader(DataLoader):
+    """DataLoader whose items are whole batches built by ``LatentBatchDataset`` (batch_size=None).
+
+    With worker processes, batches travel through a pool of preallocated shared-memory slots
+    (one per batch in flight, plus spare) instead of a new shared-memory segment per tensor.
+    ``pin_memory`` pins the copied-out batch (only when CUDA is available).
+    """
+
+    def __init__(
+        self,
+        dataset: LatentBatchDataset,
+        sampler: LatentBatchSampler,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        prefetch_factor: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        pin = bool(pin_memory and torch.cuda.is_available())
+        super().__init__(
+            dataset,
+            batch_size=None,
+            sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=_identity,  # the dataset already returns finished batches
+            pin_memory=pin and num_workers == 0,  # with workers, _CopyOut pins while copying
+            persistent_workers=persistent_workers and num_workers > 0,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            **kwargs,
+        )
+        self._pin_out = pin
+
+    def __iter__(self) -> Any:
+        if self.num_workers == 0:
+            return super().__iter__()
+        ds: LatentBatchDataset = self.dataset  # type: ignore[assignment]
+        sampler: LatentBatchSampler = self.sampler  # type: ignore[assignment]
+        if not (self.persistent_workers and self._iterator is not None):
+            # New workers are about to be started: give them a fresh pool. (Workers of an older,
+            # abandoned iterator may still be writing into theirs.)
+            slots = self.num_workers * (self.prefetch_factor or 2) + 2
+            ds.pool = torch.empty((slots, sampler.micro_batch_size * ds.sample_numel), dtype=torch.float32)
+            ds.pool.share_memory_()
+            sampler.num_slots = slots
+        it = super().__iter__()
+        return _CopyOut(it, ds.pool, tuple(ds.store.latent_shape), self._pin_out)  # type: ignore[arg-type]
+
+
+class LatentDataLoader(BatchDataLoader):
+    """The training loader: a ``BatchDataLoader`` with Lightning's stateful-loader protocol.
+
+    ``state_dict`` records the epoch and how many micro-batches the trainer has consumed in
+    it (from ``progress_fn``; the sampler itself runs ahead because of prefetching);
+    ``load_state_dict`` makes the next iteration skip exactly those.
+    """
+
+    def __init__(
+        self,
+        dataset: LatentBatchDataset,
+        sampler: LatentBatchSampler,
+        progress_fn: Optional[Callable[[], int]] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dataset, sampler, **kwargs)
+        self._progress_fn = progress_fn
+
+    def state_dict(self) -> dict[str, Any]:
+        s: LatentBatchSampler = self.sampler  # type: ignore[assignment]
+        consumed = 0
+        if self._progress_fn is not None:
+            try:
+                consumed = int(self._progress_fn())
+            except Exception:
+                consumed = 0
+        return {
+            "epoch": s.iter_epoch,
+            "consumed_batches": consumed,
+            "seed": s.seed,
+            "micro_batch_size": s.micro_batch_size,
+            "num_replicas": s.num_replicas,
+            "num_samples": len(s.indices),
+            "batches_per_epoch": len(s),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s: LatentBatchSampler = self.sampler  # type: ignore[assignment]
+        epoch, consumed = int(state.get("epoch", 0)), int(state.get("consumed_batches", 0))
+        same = (
+            state.get("seed") == s.seed
+            and state.get("micro_batch_size") == s.micro_batch_size
+            and state.get("num_replicas") == s.num_replicas
+            and state.get("num_samples") == len(s.indices)
+        )
+        if consumed >= len(s):
+            epoch, consumed = epoch + 1, 0
+        if not same and consumed:
+            warnings.warn(
+                "the data settings changed since the checkpoint (seed, batch size, world size or split): "
+                "the resumed epoch restarts from its first batch",
+                stacklevel=2,
+            )
+            consumed = 0
+        s.set_epoch(epoch)
+        s.skip = consumed
+
+
+def _resolve_val_count(val_size: Union[int, float], n: int) -> int:
+    if isinstance(val_size, float) and 0.0 <= val_size < 1.0:
+        v = int(round(val_size * n))
+    elif isinstance(val_size, float) and not val_size.is_integer():
+        raise ValueError(f"val_size must be a count or a fraction in [0, 1), got {val_size}")
+    else:
+        v = int(val_size)
+    if v < 0 or v >= n:
+        raise ValueError(f"val_size {val_size} must be >= 0 and leave training samples out of {n}")
+    return v
+
+
+def split_indices(n: int, val_size: Union[int, float], split_seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) sorted index arrays: the val split is a fixed seeded random subset.
+
+    A random subset rather than the last samples, because stores are ordered by class.
+    """
+    v = _resolve_val_count(val_size, n)
+    if v == 0:
+        return np.arange(n, dtype=np.int64), np.zeros(0, np.int64)
+    chosen = np.random.default_rng([int(split_seed), 0x5A1]).permutation(n)[:v]
+    mask = np.zeros(n, bool)
+    mask[chosen] = True
+    return np.nonzero(~mask)[0].astype(np.int64), np.nonzero(mask)[0].astype(np.int64)
+
+
+class LatentDataModule(L.LightningDataModule):
+    """Loads a latent store (``dit-lightning extract``, or the digits demo) for DiT training.
+
+    Batches are dicts ``{"x": float32 (B, C, H, W) scaled latents, "y": int64 (B,) labels,
+    "index": int64 (B,) global sample indices}``.
+
+    Args:
+        path: Store directory.
+        global_batch_size: Samples per optimizer step over all devices; the per-device
+            micro-batch is ``global_batch_size // (world_size * accumulate_grad_batches)``.
+        val_size: Held-out samples: a count (int) or a fraction in (0, 1) (float); a fixed
+            random subset drawn with ``split_seed``. 0: no validation data.
+        val_batch_size: Per-device validation batch; default the training micro-batch.
+        num_workers: DataLoader worker processes (each builds whole batches).
+        pin_memory: Pin host memory (only takes effect when CUDA is available).
+        persistent_workers: Keep workers across epochs (only when num_workers > 0).
+        prefetch_factor: Batches prefetched per worker.
+        seed: Seed of the shuffle and of the augmentation.
+        split_seed: Seed of the train/val split (kept apart so changing ``seed`` keeps the split).
+        random_flip: Pick the stored flip at random in training (stores with flips).
+        sample_posterior: Draw z = mean + std * eps in training (variant "moments"); if False,
+            training uses the posterior mean.
+        prepare: "digits": build the digits demo store at ``path`` if it is missing.
+        digits_size: Side of the digits images (multiple of 8) when ``prepare="digits"``.
+        drop_last: Drop the last incomplete optimizer step of each epoch; if False it is filled
+            by wrapping around to the start of the epoch's permutation.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        global_batch_size: int = 256,
+        val_size: Union[int, float] = 0,
+        val_batch_size: Optional[int] = None,
+        num_workers: int = 4,
+        pin_memory: bool = True,
+        persistent_workers: bool = True,
+        prefetch_factor: int = 2,
+        seed: int = 0,
+        split_seed: int = 0,
+        random_flip: bool = True,
+        sample_posterior: bool = True,
+        prepare: Optional[Literal["digits"]] = None,
+        digits_size: int = 8,
+        drop_last: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        if prepare not in (None, "digits"):
+            raise ValueError(f"prepare must be None or 'digits', got {prepare!r}")
+        self.path = os.path.abspath(path)
+        self.global_batch_size = int(global_batch_size)
+        self.val_size = val_size
+        self.val_batch_size = val_batch_size
+        self.num_workers = int(num_workers)
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers
+        self.prefetch_factor = prefetch_factor
+        self.seed, self.split_seed = int(seed), int(split_seed)
+        self.random_flip, self.sample_posterior = random_flip, sample_posterior
+        self.prepare, self.digits_size = prepare, int(digits_size)
+        self.drop_last = drop_last
+        self.spec = self._read_spec()  # eager and cheap: one JSON file (or the digits constants)
+        self.store: Optional[st.LatentStore] = None
+        self._micro: Optional[int] = None
+        self._world, self._rank, self._accum = 1, 0, 1
+        self.train_indices: Optional[np.ndarray] = None
+        self.val_indices: Optional[np.ndarray] = None
+
+    def _read_spec(self) -> st.StoreSpec:
+        meta_path = os.path.join(self.path, st.META_FILE)
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                return st.StoreSpec.from_json(json.load(f))
+        if self.prepare == "digits":
+            return digits_spec(self.digits_size)
+        st.LatentStore(self.path)  # raises the explanatory error (missing / incomplete store)
+        raise st.StoreError(f"no store at {self.path}")  # pragma: no cover
+
+    # -- what the model links to ------------------------------------------------------
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of the latents."""
+        return tuple(self.spec.latent_shape)  # type: ignore[return-value]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.spec.class_names)
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self.spec.class_names)
+
+    @property
+    def scale_factor(self) -> float:
+        return float(self.spec.scale_factor)
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Per-device batch of one forward (known after ``setup``; before, as for one device)."""
+        return self._micro if self._micro is not None else self.global_batch_size
+
+    def check_compatible(self, latent_shape: Optional[tuple[int, ...]] = None, num_classes: Optional[int] = None) -> None:
+        """Raise ValueError if a model with these latent shape / classes cannot train on this store."""
+        st.check_compatible(self.spec, latent_shape, num_classes, where=f"the store at {self.path}")
+
+    # -- Lightning hooks -------------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        if self.prepare == "digits" and not st.is_store(self.path):
+            prepare_digits(self.path, size=self.digits_size)
+
+    def _distributed(self) -> tuple[int, int, int]:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            return int(trainer.world_size), int(trainer.global_rank), int(trainer.accumulate_grad_batches)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size(), torch.distributed.get_rank(), 1
+        return 1, 0, 1
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        world, rank, accum = self._distributed()
+        per_step = world * accum
+        if self.global_batch_size % per_step:
+            lo = (self.global_batch_size // per_step) * per_step
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not divisible by {world} device(s) x {accum} "
+                f"accumulation step(s) = {per_step}; choose a global_batch_size that is a multiple of {per_step} "
+                f"(e.g. {max(per_step, lo)} or {lo + per_step}), or change devices / accumulate_grad_batches"
+            )
+        self._world, self._rank, self._accum = world, rank, accum
+        self._micro = self.global_batch_size // per_step
+        if self.store is None:
+            if self.prepare == "digits" and not os.path.exists(os.path.join(self.path, st.META_FILE)):
+                self.prepare_data()  # notebook use without a trainer
+            self.store = st.LatentStore(self.path)
+            self.spec = self.store.spec
+        self.train_indices, self.val_indices = split_indices(len(self.store), self.val_size, self.split_seed)
+        n_train = len(self.train_indices)
+        if self.drop_last and n_train < self.global_batch_size:
+            raise ValueError(
+                f"the train split has {n_train} samples, fewer than one global batch of {self.global_batch_size}: "
+                "lower global_batch_size or set drop_last=False"
+            )
+
+    def _loader_kwargs(self) -> dict[str, Any]:
+        return {
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory,
+            "persistent_workers": self.persistent_workers,
+            "prefetch_factor": self.prefetch_factor,
+        }
+
+    def _ensure_setup(self) -> None:
+        if self.store is None or self._micro is None:
+            self.setup("fit")
+
+    def train_sampler(self) -> LatentBatchSampler:
+        self._ensure_setup()
+        return LatentBatchSampler(
+            self.train_indices,  # type: ignore[arg-type]
+            self.micro_batch_size,
+            num_replicas=self._world,
+            rank=self._rank,
+            shuffle=True,
+            seed=self.seed,
+            drop_last=self.drop_last,
+            accumulate_grad_batches=self._accum,
+        )
+
+    def train_dataloader(self) -> LatentDataLoader:
+        self._ensure_setup()
+        dataset = LatentBatchDataset(
+            self.store,  # type: ignore[arg-type]
+            train=True,
+            seed=self.seed,
+            random_flip=self.random_flip,
+            sample_posterior=self.sample_posterior,
+        )
+        return LatentDataLoader(
+            dataset, self.train_sampler(), progress_fn=_trainer_progress(self), **self._loader_kwargs()
+        )
+
+    def val_dataloader(self) -> Union[DataLoader, list]:
+        self._ensure_setup()
+        if self.val_indices is None or len(self.val_indices) == 0:
+            return []
+        sampler = LatentBatchSampler(
+            self.val_indices,
+            self.val_batch_size or self.micro_batch_size,
+            num_replicas=self._world,
+            rank=self._rank,
+            shuffle=False,
+            drop_last=False,
+        )
+        dataset = LatentBatchDataset(self.store, train=False)  # type: ignore[arg-type]
+        return BatchDataLoader(dataset, sampler, **self._loader_kwargs())
+
+
+def _trainer_progress(dm: LatentDataModule) -> Callable[[], int]:
+    ref = weakref.ref(dm)
+
+    def consumed() -> int:
+        d = ref()
+        trainer = getattr(d, "trainer", None) if d is not None else None
+        if trainer is None:
+            return 0
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+    return consumed

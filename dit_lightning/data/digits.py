@@ -1,0 +1,103 @@
+"""A pixel-space demo store from scikit-learn's UCI digits (offline, 1,797 images, 10 classes).
+
+It is written through the same writer as ImageNet latents, so the demo exercises the very
+code path of real training: variant "sample" (no posterior to sample), no flips (digits are
+not mirror-invariant), one channel, values scaled to [-1, 1], scale factor 1.0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from . import store as st
+
+DIGITS_VAE = "none/pixels"
+DIGITS_NUM_CLASSES = 10
+
+
+def digits_spec(size: int = 8) -> st.StoreSpec:
+    """The StoreSpec a digits store of side ``size`` has (known without building it)."""
+    if size < 8 or size % 8:
+        raise ValueError(f"digits size must be a positive multiple of 8 (8, 16, 32, ...), got {size}")
+    return st.StoreSpec(
+        latent_shape=(1, size, size),
+        dtype="float16",
+        variant="sample",
+        flips=False,
+        scale_factor=1.0,
+        vae=DIGITS_VAE,
+        image_size=size,
+        class_names=tuple(str(i) for i in range(DIGITS_NUM_CLASSES)),
+        source="sklearn.datasets.load_digits",
+        num_items=1797,
+        shard_size=1024,
+        preprocessing=f"x/16*2-1, nearest upsampling x{size // 8}",
+    )
+
+
+def _matches(path: str, spec: st.StoreSpec) -> bool:
+    try:
+        s = st.LatentStore(path)
+    except (st.StoreError, OSError, ValueError):
+        return False
+    return s.spec.to_json() == spec.to_json()
+
+
+def prepare_digits(output: str, size: int = 8, overwrite: bool = False) -> str:
+    """Write the digits store to ``output`` (idempotent, atomic) and return its path.
+
+    Each 8x8 image (values 0..16) becomes ``x / 16 * 2 - 1`` in [-1, 1], upsampled by the
+    integer factor ``size // 8`` with nearest-neighbour repetition (keeps the pixels crisp and
+    exactly invertible). Returns at once when a valid store with these settings exists.
+    """
+    from sklearn.datasets import load_digits
+
+    spec = digits_spec(size)
+    output = os.path.abspath(output)
+    if os.path.exists(output):
+        if _matches(output, spec) and not overwrite:
+            return output
+        if not overwrite:
+            raise st.StoreError(
+                f"{output} exists but is not a digits store of size {size}; "
+                "pass overwrite=True (prepare_digits) or choose another path"
+            )
+    digits = load_digits()
+    images = digits.images.astype(np.float32) / 16.0 * 2.0 - 1.0  # (1797, 8, 8)
+    factor = size // 8
+    if factor > 1:
+        images = images.repeat(factor, axis=1).repeat(factor, axis=2)
+    labels = digits.target.astype(np.int32)
+    n = len(labels)
+    if n != spec.num_items:
+        spec = dataclasses.replace(spec, num_items=n)
+    data = images.astype(np.float16).reshape(n, 1, 1, 1, size, size)  # (n, F=1, K=1, C=1, H, W)
+
+    parent = os.path.dirname(output)
+    os.makedirs(parent, exist_ok=True)
+    # Build next to the target and rename: the store appears complete or not at all.
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(output) + ".", suffix=".tmp", dir=parent)
+    try:
+        st.write_plan(tmp, spec)
+        for k in range(spec.num_shards):
+            a, b = spec.shard_range(k)
+            st.write_shard(tmp, k, spec, data[a:b], labels[a:b], [f"load_digits[{i}]" for i in range(a, b)])
+        st.finalize_store(tmp)
+        os.chmod(tmp, 0o755)
+        if os.path.exists(output):  # overwrite=True
+            shutil.rmtree(output)
+        try:
+            os.rename(tmp, output)
+        except OSError:
+            # another process won the race; fine if what it wrote is what we want
+            if not _matches(output, spec):
+                raise
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return output

@@ -1,0 +1,446 @@
+"""Pre-extract VAE posterior moments of an ImageFolder into a latent store.
+
+Data-parallel and resumable: the sorted file list is cut into fixed shards, process ``rank``
+of ``world_size`` encodes the shards ``k`` with ``k % world_size == rank`` that are not yet on
+disk, every shard is committed atomically, and whichever process finds all shards present
+writes the index (meta.json). Killing a run and starting it again gives the same bytes.
+
+    torchrun --nproc_per_node 8 -m dit_lightning.data.extract --image_root /data/imagenet/train \
+        --output data/imagenet256_latents
+
+Runs on the GPU when there is one (``device="auto"``); the VAE stays in float32 by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+
+from . import store as st
+from .preprocessing import BadImage, list_image_folder, preprocess
+from .rng import NoiseKernel
+
+# Test hook: "k" makes the process exit right after committing k shards, "k+" makes it die
+# inside the next shard, after its data file and before its commit record.
+EXIT_AFTER_ENV = "DIT_LIGHTNING_EXTRACT_EXIT_AFTER"
+# Key of the noise stream used by variant="sample" (never equal to a training epoch).
+_SAMPLE_EPOCH = -1
+
+
+class _ImageFiles(torch.utils.data.Dataset):
+    """Decodes and crops one image per item; failures come back as a reason, not an exception."""
+
+    def __init__(self, root: str, paths: list[str], image_size: int) -> None:
+        self.root, self.paths, self.image_size = root, paths, image_size
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item: dict[str, Any] = {"i": i, "x": None, "note": None, "error": None}
+        try:
+            item["x"], item["note"] = preprocess(os.path.join(self.root, self.paths[i]), self.image_size)
+        except BadImage as e:
+            item["error"] = e.reason
+        except Exception as e:  # one odd file must not kill a day-long extraction
+            item["error"] = f"unexpected {type(e).__name__}: {e}"
+        return item
+
+
+def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    xs = [it["x"] for it in items if it["x"] is not None]
+    return {
+        "x": torch.stack(xs) if xs else None,
+        "items": [{k: v for k, v in it.items() if k != "x"} for it in items],
+    }
+
+
+def _resolve_rank(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the arguments, torch.distributed or torchrun's env vars."""
+    if rank is None or world_size is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank() if rank is None else rank
+            world_size = torch.distributed.get_world_size() if world_size is None else world_size
+        else:
+            rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+            world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    return rank, world_size, local_rank
+
+
+def _resolve_device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return dev
+
+
+def _load_vae(vae: str, dtype: torch.dtype, device: torch.device) -> Any:
+    from diffusers import AutoencoderKL
+
+    try:
+        model = AutoencoderKL.from_pretrained(vae, torch_dtype=dtype, low_cpu_mem_usage=False)
+    except Exception as e:
+        raise RuntimeError(
+            f"cannot load the VAE {vae!r} ({type(e).__name__}: {e}). Pass a local directory saved with "
+            "save_pretrained, or a hub id on a machine that can download it (or with it in the HF cache)."
+        ) from e
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _fingerprint(paths: list[str], labels: list[int]) -> str:
+    h = hashlib.sha256()
+    for p, y in zip(paths, labels):
+        h.update(f"{p}\t{y}\n".encode())
+    return h.hexdigest()
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return total
+
+
+def _to_storage(t: torch.Tensor, storage_dtype: str) -> np.ndarray:
+    if storage_dtype == "bfloat16":
+        return t.to(torch.bfloat16).view(torch.uint16).cpu().numpy()
+    return t.to(torch.float16).cpu().numpy()
+
+
+def _exit_plan() -> tuple[Optional[int], bool]:
+    v = os.environ.get(EXIT_AFTER_ENV, "").strip()
+    if not v:
+        return None, False
+    return int(v.rstrip("+")), v.endswith("+")
+
+
+def extract_latents(
+    image_root: str,
+    output: str,
+    vae: str = "stabilityai/sd-vae-ft-ema",
+    image_size: int = 256,
+    batch_size: int = 32,
+    storage_dtype: Literal["float16", "bfloat16"] = "float16",
+    variant: Literal["moments", "sample"] = "moments",
+    flips: bool = True,
+    shard_size: int = 1024,
+    num_workers: int = 4,
+    device: str = "auto",
+    vae_dtype: Literal["float32", "float16", "bfloat16"] = "float32",
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    seed: int = 0,
+    scale_factor: Optional[float] = None,
+    limit: Optional[int] = None,
+    finalize: bool = True,
+    finalize_only: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Encode an ImageFolder into a latent store (resumable, data-parallel).
+
+    Args:
+        image_root: ImageFolder root, ``root/<class>/<image>`` (ImageNet layout); classes and
+            files are taken in sorted order.
+        output: Store directory. Rerunning with the same arguments resumes an interrupted run.
+        vae: diffusers ``AutoencoderKL``: a hub id or a local directory (``save_pretrained``).
+        image_size: Side of the ADM centre crop in pixels (256 -> 4x32x32 latents with the SD VAE).
+        batch_size: Images per VAE forward (their flips are encoded in the same forward).
+        storage_dtype: ``float16`` or ``bfloat16`` on disk.
+        variant: ``moments`` stores the posterior mean and log-variance (fresh sample at every
+            read); ``sample`` stores one posterior sample (half the size, frozen noise).
+        flips: Also store the horizontally flipped image (random flip at read time).
+        shard_size: Images per shard, the unit of work, resume and parallelism.
+        num_workers: Decoding processes of the image DataLoader.
+        device: ``auto`` (``cuda:LOCAL_RANK`` when CUDA is present, else CPU), or a torch device.
+        vae_dtype: Compute dtype of the VAE.
+        rank: This process's rank; default from torch.distributed or the RANK env var (torchrun).
+        world_size: Number of processes; default from torch.distributed or WORLD_SIZE.
+        seed: Seed of the posterior noise of ``variant="sample"`` (a function of seed and file).
+        scale_factor: Latent scale recorded in the metadata; default the VAE's
+            ``config.scaling_factor`` (0.18215 for the SD VAEs).
+        limit: Only use the first ``limit`` files of the sorted list (smoke tests).
+        finalize: Write the index when all shards are present.
+        finalize_only: Do not encode; only finalise a store whose shards are all written.
+        overwrite: Delete an existing store at ``output`` first (single process only).
+        progress: Show a rich progress bar (on local rank 0).
+
+    Returns:
+        A summary: images done/skipped/converted by this process, shards written and already
+        present, seconds, images/s, output size in bytes, and whether the store is finalised.
+    """
+    t0 = time.perf_counter()
+    rank, world_size, local_rank = _resolve_rank(rank, world_size)
+    output = os.path.abspath(output)
+    if finalize_only:
+        meta = st.finalize_store(output)
+        return {"output": output, "finalized": True, "count": meta["count"], "rank": rank}
+    if overwrite and os.path.exists(output):
+        if world_size > 1:
+            raise ValueError("overwrite=True with several processes would race; delete the output once, first")
+        shutil.rmtree(output)
+
+    paths, labels, classes = list_image_folder(image_root)
+    if limit is not None:
+        paths, labels = paths[:limit], labels[:limit]
+    if not paths:
+        raise FileNotFoundError(f"no images under {image_root} (extensions: jpg, jpeg, png, ...)")
+
+    dev = _resolve_device(device, local_rank)
+    vae_model = None
+    if os.path.exists(os.path.join(output, st.PLAN_FILE)):
+        # Resume: the shapes come from the plan, and the VAE is loaded only if work is left.
+        old = st.load_plan(output)
+        latent_shape, sf = old.latent_shape, old.scale_factor
+    else:
+        vae_model = _load_vae(vae, getattr(torch, vae_dtype), dev)
+        cfg = vae_model.config
+        down = 2 ** (len(cfg.block_out_channels) - 1)
+        if image_size % down:
+            raise ValueError(f"image_size {image_size} is not divisible by the VAE's downsampling factor {down}")
+        latent_shape = (int(cfg.latent_channels), image_size // down, image_size // down)
+        sf = float(getattr(cfg, "scaling_factor", None) or 0.18215)
+    if scale_factor is not None:
+        sf = float(scale_factor)
+    spec = st.write_plan(
+        output,
+        st.StoreSpec(
+            latent_shape=latent_shape,
+            dtype=storage_dtype,
+            variant=variant,
+            flips=flips,
+            scale_factor=sf,
+            vae=vae,
+            image_size=image_size,
+            class_names=tuple(classes),
+            source=os.path.abspath(image_root),
+            num_items=len(paths),
+            shard_size=shard_size,
+            fingerprint=_fingerprint(paths, labels),
+            extra=(("seed", int(seed)),) if variant == "sample" else (),
+        ),
+    )
+
+    done, missing = st.shard_status(output, spec)
+    mine = [k for k in missing if k % world_size == rank]
+    resumed = sum(1 for k in done if k % world_size == rank)
+    show = progress and local_rank == 0
+    stats = {"images": 0, "skipped": 0, "converted": 0, "shards_written": 0}
+
+    if mine:
+        if vae_model is None:
+            vae_model = _load_vae(vae, getattr(torch, vae_dtype), dev)
+        _encode_shards(
+            output, spec, image_root, paths, labels, mine, vae_model, dev, batch_size, num_workers, seed, show, stats,
+            label=f"{rank}/{world_size}",
+        )
+
+    finalized = False
+    meta_count = None
+    if finalize:
+        _, missing_now = st.shard_status(output, spec)
+        if not missing_now:
+            if not st.is_store(output):
+                st.finalize_store(output)
+            finalized = True
+            meta_count = st.store_info(output)["count"]
+    seconds = time.perf_counter() - t0
+    summary = {
+        "output": output,
+        "rank": rank,
+        "world_size": world_size,
+        "device": str(dev),
+        "shards_total": spec.num_shards,
+        "shards_written": stats["shards_written"],
+        "shards_already_done": resumed,
+        "images_done": stats["images"],
+        "images_skipped": stats["skipped"],
+        "images_converted": stats["converted"],
+        "seconds": round(seconds, 3),
+        "images_per_s": round(stats["images"] / seconds, 2) if seconds > 0 else 0.0,
+        "output_bytes": _dir_bytes(output),
+        "finalized": finalized,
+        "count": meta_count,
+        "report": os.path.join(output, st.REPORT_FILE) if finalized else None,
+    }
+    if progress:
+        _print_summary(summary)
+    return summary
+
+
+def _encode_shards(
+    output: str,
+    spec: st.StoreSpec,
+    image_root: str,
+    paths: list[str],
+    labels: list[int],
+    shards: list[int],
+    vae_model: Any,
+    dev: torch.device,
+    batch_size: int,
+    num_workers: int,
+    seed: int,
+    show: bool,
+    stats: dict[str, int],
+    label: str = "0/1",
+) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    # Batches never cross a shard boundary, so a shard's content (and its bytes) does not
+    # depend on which shards this run happens to do.
+    batches = []
+    for k in shards:
+        a, b = spec.shard_range(k)
+        batches.extend(list(range(s, min(b, s + batch_size))) for s in range(a, b, batch_size))
+    loader = torch.utils.data.DataLoader(
+        _ImageFiles(image_root, paths, spec.image_size),
+        batch_sampler=batches,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        pin_memory=dev.type == "cuda",
+        prefetch_factor=4 if num_workers > 0 else None,
+    )
+    noise = NoiseKernel(int(np.prod(spec.latent_shape))) if spec.variant == "sample" else None
+    exit_after, exit_mid = _exit_plan()
+    vae_dtype = next(vae_model.parameters()).dtype
+    total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in shards)
+
+    pending: dict[str, list] = {"data": [], "labels": [], "sources": [], "report": []}
+    shard_iter = iter(shards)
+    current = next(shard_iter)
+    cur_end = spec.shard_range(current)[1]
+
+    with Progress(
+        TextColumn(f"[bold]extract[/] rank {label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]} img/s"),
+        TimeRemainingColumn(),
+        disable=not show,
+        transient=False,
+    ) as bar:
+        task = bar.add_task("extract", total=total, rate="-")
+        t_start = time.perf_counter()
+        for batch in loader:
+            items = batch["items"]
+            ok = [it for it in items if it["error"] is None]
+            for it in items:
+                if it["error"] is not None:
+                    pending["report"].append({"path": paths[it["i"]], "status": "skipped", "reason": it["error"]})
+                    stats["skipped"] += 1
+                elif it["note"]:
+                    pending["report"].append({"path": paths[it["i"]], "status": "converted", "reason": it["note"]})
+                    stats["converted"] += 1
+            if ok:
+                data = _encode(vae_model, batch["x"], dev, vae_dtype, spec, noise, seed, [it["i"] for it in ok])
+                pending["data"].append(data)
+                pending["labels"].extend(labels[it["i"]] for it in ok)
+                pending["sources"].extend(paths[it["i"]] for it in ok)
+                stats["images"] += len(ok)
+            bar.update(
+                task,
+                advance=len(items),
+                rate=f"{stats['images'] / max(1e-9, time.perf_counter() - t_start):.1f}",
+            )
+            if items[-1]["i"] + 1 == cur_end:
+                hook = None
+                if exit_after is not None and exit_mid and stats["shards_written"] == exit_after:
+                    hook = lambda: os._exit(17)  # noqa: E731
+                data = (
+                    np.concatenate(pending["data"])
+                    if pending["data"]
+                    else np.zeros((0, *spec.sample_shape), spec.np_dtype)
+                )
+                st.write_shard(
+                    output, current, spec, data, np.asarray(pending["labels"], np.int32),
+                    pending["sources"], pending["report"], after_data_hook=hook,
+                )
+                stats["shards_written"] += 1
+                if exit_after is not None and not exit_mid and stats["shards_written"] == exit_after:
+                    os._exit(17)
+                pending = {"data": [], "labels": [], "sources": [], "report": []}
+                current = next(shard_iter, -1)
+                cur_end = spec.shard_range(current)[1] if current >= 0 else -1
+
+
+@torch.inference_mode()
+def _encode(
+    vae_model: Any,
+    x: torch.Tensor,
+    dev: torch.device,
+    vae_dtype: torch.dtype,
+    spec: st.StoreSpec,
+    noise: Optional[NoiseKernel],
+    seed: int,
+    items: list[int],
+) -> np.ndarray:
+    """(n, F, K, C, H, W) in the storage dtype for one batch of preprocessed images."""
+    x = x.to(dev, non_blocking=True).to(vae_dtype)
+    n = x.shape[0]
+    if spec.flips:
+        x = torch.cat([x, x.flip(-1)])  # one forward for the images and their mirrors
+    dist = vae_model.encode(x).latent_dist
+    mean, logvar = dist.mean.float(), dist.logvar.float()
+    if tuple(mean.shape[1:]) != spec.latent_shape:
+        raise RuntimeError(f"the VAE produced latents {tuple(mean.shape[1:])}, the store expects {spec.latent_shape}")
+    F = spec.num_flips
+    mean = mean.reshape(F, n, *spec.latent_shape).transpose(0, 1)  # (n, F, C, H, W)
+    logvar = logvar.reshape(F, n, *spec.latent_shape).transpose(0, 1)
+    if spec.variant == "moments":
+        out = torch.stack([mean, logvar], dim=2)  # (n, F, 2, C, H, W)
+    else:
+        assert noise is not None
+        # noise keyed by (seed, file index, flip): identical however the work is split or resumed
+        keys = (np.asarray(items, np.int64)[:, None] * F + np.arange(F)).reshape(-1)
+        m = mean.reshape(n * F, -1).cpu().numpy()
+        lv = logvar.reshape(n * F, -1).cpu().numpy()
+        z = noise.posterior_sample(m, lv, seed, _SAMPLE_EPOCH, keys, 1.0)
+        out = torch.from_numpy(z).reshape(n, F, 1, *spec.latent_shape)
+    return _to_storage(out.contiguous(), spec.dtype)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    c = Console(stderr=True)
+    mb = summary["output_bytes"] / 2**20
+    c.print(
+        f"[bold]extract[/] rank {summary['rank']}/{summary['world_size']} on {summary['device']}: "
+        f"{summary['images_done']} images encoded, {summary['images_skipped']} skipped, "
+        f"{summary['images_converted']} converted, {summary['shards_written']} shards written "
+        f"({summary['shards_already_done']} already done) in {summary['seconds']:.1f}s "
+        f"({summary['images_per_s']:.1f} img/s); store {mb:.1f} MiB, "
+        + ("finalised" if summary["finalized"] else "not finalised yet (other shards pending)")
+    )
+    if summary["finalized"] and summary["images_skipped"]:
+        c.print(f"skipped files are listed in {summary['report']}")
+
+
+def main() -> None:
+    """``python -m dit_lightning.data.extract`` / ``torchrun -m dit_lightning.data.extract``."""
+    from jsonargparse import CLI
+
+    summary = CLI(extract_latents, as_positional=False)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Small fixtures for tests and smoke runs: a tiny random VAE, an ImageFolder with bad files,
+and a random latent store. Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from . import store as st
+
+# name -> (mode, size) of the "good" images; the bad ones are added per class below
+_GOOD = [("RGB", (40, 32)), ("RGB", (100, 70)), ("RGB", (32, 48))]
+
+
+def _jpeg_bytes(img: Any, **kw: Any) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
+def make_image_folder(root: str, with_bad: bool = True, seed: int = 0) -> dict[str, str]:
+    """Write a 3-class ImageFolder (``cls_a``, ``cls_b``, ``cls_c``) and return {relpath: kind}.
+
+    Kinds: "ok", "converted" (CMYK, L, RGBA/P with transparency, tiny) and "skipped"
+    (zero bytes, corrupt bytes, truncated JPEG).
+    """
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    kinds: dict[str, str] = {}
+
+    def rand_rgb(w: int, h: int) -> Any:
+        # smooth-ish content so the JPEG codec and the crop have something real to chew on
+        base = rng.integers(0, 256, size=(h // 4 + 1, w // 4 + 1, 3), dtype=np.uint8)
+        return Image.fromarray(base).resize((w, h), Image.BILINEAR)
+
+    for c, cls in enumerate(["cls_a", "cls_b", "cls_c"]):
+        d = os.path.join(root, cls)
+        os.makedirs(d, exist_ok=True)
+        for j, (_, (w, h)) in enumerate(_GOOD):
+            name = f"{cls}/img_{j}.JPEG"
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(_jpeg_bytes(rand_rgb(w + c, h)))
+            kinds[name] = "ok"
+        if not with_bad:
+            continue
+        if c == 0:
+            open(os.path.join(d, "zero.JPEG"), "wb").close()
+            kinds[f"{cls}/zero.JPEG"] = "skipped"
+            with open(os.path.join(d, "corrupt.JPEG"), "wb") as f:
+                f.write(b"\xff\xd8\xff\xe0" + rng.integers(0, 256, 500, dtype=np.uint8).tobytes())
+            kinds[f"{cls}/corrupt.JPEG"] = "skipped"
+            good = _jpeg_bytes(rand_rgb(64, 64))
+            with open(os.path.join(d, "truncated.JPEG"), "wb") as f:
+                f.write(good[: len(good) // 2])
+            kinds[f"{cls}/truncated.JPEG"] = "skipped"
+        elif c == 1:
+            rand_rgb(48, 40).convert("CMYK").save(os.path.join(d, "cmyk.JPEG"), format="JPEG")
+            kinds[f"{cls}/cmyk.JPEG"] = "converted"
+            rand_rgb(36, 36).convert("L").save(os.path.join(d, "gray.JPEG"), format="JPEG")
+            kinds[f"{cls}/gray.JPEG"] = "converted"
+            Image.fromarray(rng.integers(0, 256, (9, 12, 3), dtype=np.uint8)).save(
+                os.path.join(d, "tiny.png")
+            )
+            kinds[f"{cls}/tiny.png"] = "converted"
+        else:
+            rgba = np.array(rand_rgb(40, 40).convert("RGBA"))
+            rgba[:20, :, 3] = 0  # transparent top half
+            Image.fromarray(rgba, "RGBA").save(os.path.join(d, "alpha.png"))
+            kinds[f"{cls}/alpha.png"] = "converted"
+            p = rand_rgb(40, 40).convert("P", palette=Image.ADAPTIVE, colors=16)
+            p.save(os.path.join(d, "palette.png"), transparency=0)
+            kinds[f"{cls}/palette.png"] = "converted"
+    return kinds
+
+
+def make_tiny_vae(path: str, latent_channels: int = 4, seed: int = 0) -> str:
+    """Save a randomly initialised, tiny ``AutoencoderKL`` (downsampling 2) with save_pretrained."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=8,
+        sample_size=32,
+        mid_block_add_attention=False,
+    )
+    vae.save_pretrained(path)
+    return path
+
+
+def make_random_store(
+    path: str,
+    n: int,
+    latent_shape: tuple[int, int, int] = (4, 32, 32),
+    num_classes: int = 1000,
+    variant: st.Variant = "moments",
+    flips: bool = True,
+    dtype: st.StorageDtype = "float16",
+    shard_size: int = 1024,
+    seed: int = 0,
+    logvar_mean: float = -6.0,
+    class_names: Optional[list[str]] = None,
+) -> st.LatentStore:
+    """A finalised store of random moments (for loader tests and benchmarks); reused if valid."""
+    spec = st.StoreSpec(
+        latent_shape=tuple(latent_shape),  # type: ignore[arg-type]
+        dtype=dtype,
+        variant=variant,
+        flips=flips,
+        scale_factor=0.18215,
+        vae="random",
+        image_size=latent_shape[1] * 8,
+        class_names=tuple(class_names or [f"c{i}" for i in range(num_classes)]),
+        source=f"random(seed={seed})",
+        num_items=n,
+        shard_size=shard_size,
+        preprocessing="none",
+    )
+    if os.path.exists(os.path.join(path, st.META_FILE)):
+        try:
+            s = st.LatentStore(path)
+            if s.spec.to_json() == spec.to_json():
+                return s
+        except st.StoreError:
+            pass
+    import torch
+
+    st.write_plan(path, spec)
+    rng = np.random.default_rng(seed)
+    for k in range(spec.num_shards):
+        if st.read_shard_record(path, k) is not None:
+            continue
+        a, b = spec.shard_range(k)
+        vals = rng.standard_normal((b - a, *spec.sample_shape), dtype=np.float32)
+        if variant == "moments":
+            vals[:, :, 1] = vals[:, :, 1] * 0.5 + logvar_mean
+        t = torch.from_numpy(vals)
+        data = t.to(torch.bfloat16).view(torch.uint16).numpy() if dtype == "bfloat16" else t.half().numpy()
+        labels = rng.integers(0, len(spec.class_names), b - a).astype(np.int32)
+        st.write_shard(path, k, spec, data, labels, [f"random[{i}]" for i in range(a, b)])
+    st.finalize_store(path)
+    return st.LatentStore(path)
