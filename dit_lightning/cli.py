@@ -54,15 +54,19 @@ class DiTCLI(LightningCLI):
 def _tools() -> dict[str, Callable]:
     from .data import extract_latents, prepare_digits
     from .export import export_checkpoint
+    from .planner import plan
 
     return {
         "extract": extract_latents,
         "prepare-digits": prepare_digits,
         "export": export_checkpoint,
+        "plan": plan,
     }
 
 
-TOOL_NAMES = ("extract", "prepare-digits", "export")
+TOOL_NAMES = ("extract", "prepare-digits", "export", "plan")
+# Flags that read better without a value on the command line.
+_FLAG_ALIASES = {"plan": {"--fit": "--fit=true", "--json": "--format=json"}}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -70,7 +74,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args and args[0] in TOOL_NAMES:
         from jsonargparse import CLI
 
-        CLI(_tools()[args[0]], args=args[1:], as_positional=False)
+        aliases = _FLAG_ALIASES.get(args[0], {})
+        CLI(_tools()[args[0]], args=[aliases.get(a, a) for a in args[1:]], as_positional=False)
         return
     DiTCLI(
         DiTModule,

@@ -16,28 +16,21 @@ from typing import Optional, Union
 
 import torch
 
+from ..planner.hardware import GPUS
+
 TFLOPS = 1e12
 
-# FLOP/s per device, dense, by compute precision. "tf32" is the rate of FP32 matmuls when
-# TF32 tensor cores are allowed; "fp32" the rate without them. FP16/BF16 are the rates with
-# FP32 accumulation (what PyTorch's GEMMs use): on GeForce cards that is half of the
-# "FP16 accumulate" figure from the marketing sheets.
+# FLOP/s per device, dense, by compute precision, from the one GPU table of the project
+# (planner/hardware.py). "tf32" is the rate of FP32 matmuls when TF32 tensor cores are
+# allowed; "fp32" the rate without them; FP16/BF16 with FP32 accumulation.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
-    # Ampere. SXM and PCIe A100 share one peak.
-    "a100": {"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
-    "rtx-3090": {"fp32": 35.6 * TFLOPS, "tf32": 35.6 * TFLOPS, "bf16": 71 * TFLOPS, "fp16": 71 * TFLOPS},
-    "rtx-3090-ti": {"fp32": 40 * TFLOPS, "tf32": 40 * TFLOPS, "bf16": 80 * TFLOPS, "fp16": 80 * TFLOPS},
-    # Ada
-    "rtx-4090": {"fp32": 82.6 * TFLOPS, "tf32": 82.6 * TFLOPS, "bf16": 165 * TFLOPS, "fp16": 165 * TFLOPS},
-    "l40s": {"fp32": 91.6 * TFLOPS, "tf32": 183 * TFLOPS, "bf16": 362 * TFLOPS, "fp16": 362 * TFLOPS},
-    # Hopper. The H200 is the H100's GH100 die with more HBM: the same compute peaks; GH200's
-    # GPU is the same SXM part. NVL (PCIe-card) variants run at lower clocks.
-    "h100-sxm": {"fp32": 67 * TFLOPS, "tf32": 494 * TFLOPS, "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS},
-    "h100-pcie": {"fp32": 51 * TFLOPS, "tf32": 378 * TFLOPS, "bf16": 756 * TFLOPS, "fp16": 756 * TFLOPS},
-    "h100-nvl": {"fp32": 60 * TFLOPS, "tf32": 418 * TFLOPS, "bf16": 836 * TFLOPS, "fp16": 836 * TFLOPS},
-    "h200": {"fp32": 67 * TFLOPS, "tf32": 494 * TFLOPS, "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS},
-    "h200-nvl": {"fp32": 60 * TFLOPS, "tf32": 418 * TFLOPS, "bf16": 836 * TFLOPS, "fp16": 836 * TFLOPS},
-    "gh200": {"fp32": 67 * TFLOPS, "tf32": 494 * TFLOPS, "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS},
+    name: {
+        "fp32": g.fp32_tflops * TFLOPS,
+        "tf32": g.tf32_tflops * TFLOPS,
+        "bf16": g.bf16_tflops * TFLOPS,
+        "fp16": g.fp16_tflops * TFLOPS,
+    }
+    for name, g in GPUS.items()
 }
 
 # torch.cuda.get_device_name() spellings, matched in order on the lower-cased name (first hit
@@ -50,12 +43,12 @@ _NAME_PATTERNS: list[tuple[str, str]] = [
     ("h200", r"\bh200\b"),
     ("h100-nvl", r"\bh100\b.*\bnvl"),
     ("h100-pcie", r"\bh100\b.*\b(pcie|hbm2e)\b"),
-    ("h100-sxm", r"\bh100\b"),  # "H100 80GB HBM3", "H100 SXM5 80GB"
-    ("a100", r"\ba100\b"),
+    ("h100-80gb", r"\bh100\b"),  # "H100 80GB HBM3", "H100 SXM5 80GB"
+    ("a100-80gb", r"\ba100\b"),  # 40 and 80 GB parts share one compute peak
     ("l40s", r"\bl40s\b"),  # not the L40 (half the tensor rate): Lightning's table covers it
-    ("rtx-4090", r"\brtx 4090\b(?!\s*d\b)"),  # the 4090 D has fewer SMs
-    ("rtx-3090-ti", r"\brtx 3090 ti\b"),
-    ("rtx-3090", r"\brtx 3090\b"),
+    ("rtx4090", r"\brtx 4090\b(?!\s*d\b)"),  # the 4090 D has fewer SMs
+    ("rtx3090-ti", r"\brtx 3090 ti\b"),
+    ("rtx3090", r"\brtx 3090\b"),
 ]
 
 _DTYPE_KEYS: dict[torch.dtype, str] = {

@@ -1,0 +1,489 @@
+"""Analytic peak-memory model of one DiT training step (forward, backward, optimiser, EMA).
+
+Everything is counted from the architecture, tensor by tensor, in bytes per GPU:
+
+* Static state: fp32 master weights, fp32 gradients, optimiser states, the fp32 EMA copy
+  (divided by the world size where FSDP shards them), DDP's gradient buckets.
+* Saved activations: the tensors autograd keeps for the backward pass, listed per DiT block
+  in :func:`block_activation_terms` (read off the autograd graph of ``DiTBlock.forward``:
+  LayerNorm inputs and outputs, modulate outputs, qkv, the SDPA output and logsumexp or the
+  softmax matrix, MLP fc1/GELU outputs, gate inputs...). Under Lightning's ``*-mixed``
+  precision the weights stay fp32 and autocast runs the matmuls in 16 bits: LayerNorm and the
+  residual stream stay fp32, matmul inputs and outputs are 16-bit, and autocast keeps a 16-bit
+  copy of every matmul weight alive for the backward pass.
+* Transients: the gradient in flight through a block, the recomputed activations of a
+  checkpointed block while its backward runs, the foreach-AdamW temporary.
+
+The peak is the maximum over the phases of a step (end of forward, each block of the
+backward pass, optimiser step), because activations are freed while gradients appear.
+Validated against allocator-level measurements of real CPU training steps
+(``tests/test_planner.py``, ``docs/planner.md``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Optional, Union
+
+from ..models.dit import resolve_checkpoint_blocks
+from ..models.flops import DiTShape, shape_of
+from .hardware import GPUSpec, gpu_spec
+
+Precision = Literal["32-true", "16-mixed", "bf16-mixed"]
+Strategy = Literal["ddp", "fsdp"]
+Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP"]
+OptimizerName = Literal["adamw", "adamw8bit", "sgd"]
+AttentionKind = Literal["auto", "flash", "math"]
+DeviceKind = Literal["cuda", "cpu"]
+CheckpointArg = Union[int, Literal["none", "all", "half"]]
+
+GiB = 1024**3
+MiB = 1024**2
+
+# Tensors the hybrid diffusion loss saves for its backward, in units of one fp32 latent
+# (N x C x H x W): counted from the autograd graph of GaussianDiffusion.training_losses.
+LOSS_SAVED_LATENTS = 20
+# Gradient bytes in flight through a block in the backward pass, in units of one fp32
+# residual-stream tensor (N x T x D): the incoming residual gradient plus the one being
+# produced (measured: 2.1-2.2 on CPU).
+BACKWARD_TRANSIENT_TD = 2
+# CUDA-side costs the caching allocator does not see (or sees only as reserved memory).
+CUDA_CONTEXT_BYTES = 600 * MiB  # CUDA context + kernels (lazy loading), outside the allocator
+NCCL_BYTES = 512 * MiB  # NCCL communicator buffers when world_size > 1
+CUDA_WORKSPACE_BYTES = 64 * MiB  # cuBLAS/cuDNN workspaces, allocated through the allocator
+FRAGMENTATION = 0.08  # reserved-but-unallocated memory as a fraction of the allocated peak
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU peak memory of one training step, broken down, and whether it fits."""
+
+    # --- the configuration -------------------------------------------------------------
+    model: str
+    depth: int
+    hidden_size: int
+    num_heads: int
+    patch_size: int
+    latent_size: int
+    tokens: int
+    parameters_count: int
+    micro_batch: int
+    precision: str
+    attention: str
+    device: str
+    checkpointed_blocks: int
+    strategy: str
+    sharding: Optional[str]
+    world_size: int
+    optimizer: str
+    fused_optimizer: bool
+    ema: bool
+    accumulate_grad_batches: int
+    # --- the breakdown at the peak (bytes) ----------------------------------------------
+    peak_phase: str
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    ema_weights: int
+    communication_buffers: int
+    weight_copies_16bit: int
+    activations: int
+    temporaries: int
+    peak_allocated: int  # comparable to torch.cuda.max_memory_allocated
+    cuda_context: int
+    allocator_headroom: int
+    total: int  # what the device must hold
+    budget: Optional[int] = None
+    gpu: Optional[str] = None
+    fits: Optional[bool] = None
+    static: int = 0  # parameters + gradients + optimizer states + EMA (the state that sharding divides)
+    phases: dict[str, int] = field(default_factory=dict)
+    activations_per_block: dict[str, int] = field(default_factory=dict)
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def headroom(self) -> Optional[int]:
+        """Bytes left on the device (negative: over budget)."""
+        return None if self.budget is None else self.budget - self.total
+
+    def breakdown(self) -> dict[str, int]:
+        """The terms of ``total`` (bytes)."""
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer states": self.optimizer_states,
+            "EMA weights": self.ema_weights,
+            "communication buffers": self.communication_buffers,
+            "16-bit weight copies": self.weight_copies_16bit,
+            "activations": self.activations,
+            "temporaries": self.temporaries,
+            "CUDA context": self.cuda_context,
+            "allocator headroom": self.allocator_headroom,
+        }
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["headroom"] = self.headroom
+        d["total_gib"] = self.total / GiB
+        d["peak_allocated_gib"] = self.peak_allocated / GiB
+        return d
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+# --------------------------------------------------------------------------------------
+# Parameter counts
+# --------------------------------------------------------------------------------------
+
+
+def block_param_count(s: DiTShape) -> int:
+    """Parameters of one DiT block (qkv, proj, fc1, fc2, adaLN)."""
+    d, m = s.hidden_size, s.mlp_hidden
+    return (d * 3 * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d) + (d * 6 * d + 6 * d)
+
+
+def param_counts(s: DiTShape) -> dict[str, int]:
+    """Parameter counts by role: totals, trainable, per block, and the groups that matter
+    for memory (autocast casts matmul weights; the embedding table and pos_embed it does not)."""
+    d, p = s.hidden_size, s.patch_size
+    blk = block_param_count(s)
+    patch = s.in_channels * p * p * d + d
+    t_mlp = s.frequency_embedding_size * d + d + d * d + d
+    y_table = (s.num_classes + int(s.class_dropout_prob > 0)) * d
+    final = (d * 2 * d + 2 * d) + (d * p * p * s.out_channels + p * p * s.out_channels)
+    pos = s.tokens * d
+    total = patch + t_mlp + y_table + s.depth * blk + final + pos
+    return {
+        "total": total,
+        "trainable": total - pos,  # pos_embed is a fixed, requires_grad=False parameter
+        "block": blk,
+        "head": patch + t_mlp + y_table,
+        "tail": final,
+        "pos_embed": pos,
+        "matmul_nonblock": patch + t_mlp + final,  # cast to 16 bits by autocast
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------
+
+
+def block_activation_terms(
+    s: DiTShape, n: int, mixed: bool, attention: Literal["flash", "math"], device: str = "cuda"
+) -> dict[str, int]:
+    """Bytes one (non-checkpointed) DiT block saves for backward, tensor by tensor.
+
+    ``mixed``: autocast with a 16-bit dtype (matmul inputs/outputs 16-bit, LayerNorm fp32).
+    ``flash`` (flash / memory-efficient / cuDNN / CPU-flash SDPA kernels) keeps q, k, v (views
+    of the qkv output), the output and a logsumexp: O(T). ``math`` keeps the softmax matrix:
+    O(T^2). PyTorch's CPU math path computes 16-bit attention in fp32, so there the attention
+    tensors are fp32 even under autocast.
+    """
+    t, d, m, h = s.tokens, s.hidden_size, s.mlp_hidden, s.num_heads
+    f, b = 4, (2 if mixed else 4)
+    td, tm = n * t * d, n * t * m
+    terms = {
+        "block input (norm1)": td * f,
+        "norm1 output (modulate)": td * f,
+        "modulate1 output (qkv)": td * b,
+    }
+    if attention == "flash":
+        terms["qkv output (q, k, v views)"] = 3 * td * b
+        terms["attention output (proj input)"] = td * b
+        terms["attention logsumexp"] = n * h * t * 4
+    else:
+        ab = 4 if (device == "cpu" or not mixed) else 2
+        terms["scaled q, k and contiguous v"] = 3 * td * ab
+        terms["softmax probabilities (T^2)"] = n * h * t * t * ab
+        terms["attention output (proj input)"] = td * b
+    terms.update(
+        {
+            "proj output (gate)": td * b,
+            "residual (norm2)": td * f,
+            "norm2 output (modulate)": td * f,
+            "modulate2 output (fc1)": td * b,
+            "fc1 output (GELU)": tm * b,
+            "GELU output (fc2)": tm * b,
+            "fc2 output (gate)": td * b,
+            "LayerNorm mean/rstd": 2 * 2 * n * t * 4,
+            # SiLU(c) for the adaLN linear, its 6D output (shift/scale/gate views), 1 + scale x2
+            "adaLN (per sample)": n * d * 9 * b,
+        }
+    )
+    return terms
+
+
+def checkpointed_block_bytes(s: DiTShape, n: int) -> int:
+    """A recomputed block keeps only its input (fp32 residual stream)."""
+    return n * s.tokens * s.hidden_size * 4
+
+
+def nonblock_activation_terms(s: DiTShape, n: int, mixed: bool) -> dict[str, int]:
+    """Embedding, final layer and loss tensors saved for backward."""
+    t, d = s.tokens, s.hidden_size
+    f, b = 4, (2 if mixed else 4)
+    latent = n * s.in_channels * s.input_size * s.input_size
+    return {
+        "patch-embed input": latent * b,
+        "timestep/label embedding": n * (s.frequency_embedding_size * b + d * (f + b) + d * f),
+        "final layer (norm, modulate, linear input)": n * t * d * (f + f + b) + n * d * 4 * b,
+        "hybrid loss": LOSS_SAVED_LATENTS * latent * 4,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------
+
+
+def _resolve_checkpoint(spec: CheckpointArg, depth: int) -> int:
+    if isinstance(spec, str) and spec.isdigit():
+        spec = int(spec)
+    return len(resolve_checkpoint_blocks(spec, depth))
+
+
+def _optimizer_bytes(name: str, trainable: int) -> tuple[int, str]:
+    if name == "adamw":
+        return 8 * trainable, "AdamW: exp_avg and exp_avg_sq in fp32 (8 B/param)"
+    if name == "adamw8bit":
+        # bitsandbytes blockwise 8-bit states + one fp32 absmax per 2048-value block and state
+        return 2 * trainable + 2 * 4 * (trainable // 2048 + 1), "AdamW8bit: two 8-bit states + blockwise absmax (~2 B/param)"
+    if name == "sgd":
+        return 4 * trainable, "SGD with momentum: one fp32 buffer (4 B/param)"
+    raise ValueError(f"unknown optimizer '{name}': adamw, adamw8bit or sgd")
+
+
+def plan_memory(
+    model: str = "DiT-XL/2",
+    latent_size: int = 32,
+    micro_batch: int = 32,
+    precision: Precision = "bf16-mixed",
+    activation_checkpointing: CheckpointArg = "none",
+    strategy: Strategy = "ddp",
+    sharding: Sharding = "FULL_SHARD",
+    world_size: int = 1,
+    optimizer: OptimizerName = "adamw",
+    fused_optimizer: Optional[bool] = None,
+    ema: bool = True,
+    accumulate_grad_batches: int = 1,
+    gpu: Optional[str] = None,
+    memory_gib: Optional[float] = None,
+    attention: AttentionKind = "auto",
+    device: DeviceKind = "cuda",
+    depth: Optional[int] = None,
+    hidden_size: Optional[int] = None,
+    num_heads: Optional[int] = None,
+    patch_size: Optional[int] = None,
+    in_channels: int = 4,
+    num_classes: int = 1000,
+    learn_sigma: bool = True,
+    mlp_ratio: float = 4.0,
+    ddp_gradient_as_bucket_view: bool = False,
+) -> MemoryPlan:
+    """Predict the per-GPU peak memory of one training step of a DiT.
+
+    Args:
+        model: a registered name (``"DiT-XL/2"``) or ``"custom"`` with explicit sizes.
+        latent_size: latent side (32 for 256px images, 64 for 512px).
+        micro_batch: samples per GPU per forward/backward.
+        precision: Lightning precision; ``*-mixed`` keeps fp32 weights and autocasts.
+        activation_checkpointing: number of recomputed blocks (the first N), or none/half/all.
+        strategy, sharding, world_size: DDP (everything replicated) or FSDP (per-block
+            wrapping; FULL_SHARD shards weights, gradients, optimizer and EMA; SHARD_GRAD_OP
+            keeps full 16-bit weights during forward/backward).
+        optimizer: adamw (2 fp32 states), adamw8bit (bitsandbytes), sgd (momentum).
+        fused_optimizer: fused AdamW (no full-size temporary); default: on CUDA, as the
+            project's module does.
+        ema: keep the fp32 EMA copy of the weights.
+        accumulate_grad_batches: >1 keeps the gradients alive through the next forward.
+        gpu / memory_gib: the device budget (a GPU name from the table, or GiB).
+        attention: SDPA kernel family; ``auto`` is ``flash`` (PyTorch picks a flash,
+            memory-efficient or cuDNN kernel on GPU, and its flash kernel on CPU);
+            ``math`` materialises the T x T attention matrix (reference-style code).
+        device: ``cuda`` adds the CUDA context, workspaces and allocator headroom;
+            ``cpu`` predicts what the CPU allocator sees (used to validate the model).
+        ddp_gradient_as_bucket_view: DDP option that removes the bucket copy of the gradients.
+    """
+    shape = shape_of(
+        model,
+        input_size=latent_size,
+        depth=depth,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        patch_size=patch_size,
+        in_channels=in_channels,
+        num_classes=num_classes,
+        learn_sigma=learn_sigma,
+        mlp_ratio=mlp_ratio,
+    )
+    if latent_size % shape.patch_size:
+        raise ValueError(f"patch size {shape.patch_size} does not divide latent size {latent_size}")
+    if precision not in ("32-true", "16-mixed", "bf16-mixed"):
+        raise ValueError(f"precision must be 32-true, 16-mixed or bf16-mixed, got {precision!r}")
+    if micro_batch < 1 or world_size < 1 or accumulate_grad_batches < 1:
+        raise ValueError("micro_batch, world_size and accumulate_grad_batches must be >= 1")
+    spec: Optional[GPUSpec] = gpu_spec(gpu) if gpu else None
+    budget = int(memory_gib * GiB) if memory_gib is not None else (int(spec.usable_gib * GiB) if spec else None)
+
+    n = micro_batch
+    mixed = precision != "32-true"
+    attn: Literal["flash", "math"] = "flash" if attention == "auto" else attention
+    k = _resolve_checkpoint(activation_checkpointing, shape.depth)
+    fsdp = strategy == "fsdp" and world_size > 1
+    ddp = strategy == "ddp" and world_size > 1
+    w = world_size if fsdp else 1
+    fused = (device == "cuda") if fused_optimizer is None else bool(fused_optimizer)
+    if optimizer != "adamw":
+        fused = False
+
+    pc = param_counts(shape)
+    p_all, p_train, p_blk = pc["total"], pc["trainable"], pc["block"]
+    opt_full, opt_note = _optimizer_bytes(optimizer, p_train)
+
+    # ---- static state (sharded by FSDP) -------------------------------------------------
+    params = 4 * p_all // w
+    grads_full = 4 * p_train // w
+    opt_states = opt_full // w
+    ema_bytes = (4 * p_all // w) if ema else 0
+    g_blk = 4 * p_blk // w
+    g_tail = 4 * pc["tail"] // w
+    buckets = 4 * p_train if (ddp and not ddp_gradient_as_bucket_view) else 0
+    pb = 2 if mixed else 4  # FSDP's unsharded parameter dtype (Lightning: param_dtype follows precision)
+    if fsdp and sharding == "FULL_SHARD":
+        # the current and the prefetched block, and the root module (embeddings, final layer)
+        working = pb * (2 * p_blk + pc["head"] + pc["tail"] + pc["pos_embed"])
+    elif fsdp:
+        working = pb * p_all  # SHARD_GRAD_OP: unsharded from forward until the end of backward
+    else:
+        working = 0
+
+    # ---- activations ----------------------------------------------------------------------
+    blk_terms = block_activation_terms(shape, n, mixed, attn, device)
+    a_full = sum(blk_terms.values())
+    a_ckpt = checkpointed_block_bytes(shape, n)
+    nb_terms = nonblock_activation_terms(shape, n, mixed)
+    a_nonblock = sum(nb_terms.values())
+    ckpt = set(range(k))  # the project checkpoints the first N blocks
+    a_blocks = [a_ckpt if i in ckpt else a_full for i in range(shape.depth)]
+    # autocast keeps 16-bit copies of matmul weights; FSDP's mixed precision replaces them
+    w16_blk = 2 * p_blk if (mixed and not fsdp) else 0
+    w16_nonblock = 2 * pc["matmul_nonblock"] if (mixed and not fsdp) else 0
+    td = n * shape.tokens * shape.hidden_size
+    trans_bwd = BACKWARD_TRANSIENT_TD * td * 4
+    if attn == "math":
+        # In the softmax backward the saved probabilities, their gradient and the logits'
+        # gradient coexist (3 T x T tensors) while the block's other activations are mostly
+        # freed: the block then holds ~3 T^2 + 2 TD instead of its saved set (measured on CPU
+        # with T^2 from 0.5x to 1.5x of the rest of the block: within 5%, conservative).
+        probs = blk_terms["softmax probabilities (T^2)"]
+        trans_bwd = max(trans_bwd, 3 * probs + trans_bwd - a_full)
+    fsdp_grad_unsharded = (pb * p_blk) if fsdp else 0
+    persistent_grads = accumulate_grad_batches > 1
+
+    static = params + grads_full + opt_states + ema_bytes
+    base = params + opt_states + ema_bytes + buckets
+    phases: dict[str, dict[str, int]] = {}
+
+    # forward end: every saved activation and every 16-bit weight copy (autocast cache)
+    phases["forward end"] = dict(
+        gradients=grads_full if persistent_grads else 0,
+        weights16=w16_nonblock + shape.depth * w16_blk,
+        activations=sum(a_blocks) + a_nonblock,
+        temporaries=0,
+        working=working,
+    )
+    # backward through block i (last to first); linear in i, but cheap to enumerate
+    for i in reversed(range(shape.depth)):
+        done = shape.depth - 1 - i
+        g = grads_full if persistent_grads else g_tail + done * g_blk
+        if fsdp:
+            g = grads_full
+        w16 = w16_nonblock + sum(w16_blk for j in range(i + 1) if j not in ckpt) + (w16_blk if i in ckpt else 0)
+        act = a_nonblock + sum(a_blocks[:i]) + a_full
+        tmp = trans_bwd + fsdp_grad_unsharded
+        phases[f"backward block {i}"] = dict(gradients=g, weights16=w16, activations=act, temporaries=tmp, working=working)
+    # optimiser step: all gradients; foreach AdamW allocates one fp32 temporary per parameter
+    opt_tmp = 0 if (fused or optimizer != "adamw") else 4 * p_train // w
+    phases["optimizer step"] = dict(gradients=grads_full, weights16=0, activations=0, temporaries=opt_tmp, working=0)
+
+    totals = {name: base + sum(v.values()) for name, v in phases.items()}
+    peak_name = max(totals, key=totals.get)
+    at = phases[peak_name]
+    peak = totals[peak_name]
+
+    if device == "cuda":
+        peak += CUDA_WORKSPACE_BYTES
+        context = CUDA_CONTEXT_BYTES + (NCCL_BYTES if world_size > 1 else 0)
+        frag = int(FRAGMENTATION * peak)
+    else:
+        context = frag = 0
+    total = peak + context + frag
+
+    assumptions = [
+        f"attention: {attn} ({'O(T) logsumexp' if attn == 'flash' else 'O(T^2) softmax matrix'})",
+        "precision: fp32 master weights; " + ("autocast to 16 bits, LayerNorm and residual stream in fp32" if mixed else "fp32 everywhere"),
+        opt_note + (" (fused: no temporary)" if fused else (" (foreach: one fp32 temporary per parameter in the step)" if optimizer == "adamw" else "")),
+        "EMA: fp32 copy of all weights" + (" (sharded)" if fsdp else "") if ema else "no EMA",
+        f"activation checkpointing: the first {k} of {shape.depth} blocks keep only their input",
+        "gradients set to None between steps (zero_grad(set_to_none=True))"
+        + ("; kept alive across accumulated micro-batches" if persistent_grads else ""),
+    ]
+    if ddp:
+        assumptions.append("DDP: gradient buckets are a second fp32 copy of the gradients" + (" (bucket view: none)" if ddp_gradient_as_bucket_view else ""))
+    if fsdp:
+        assumptions.append(
+            f"FSDP {sharding} (DiTFSDPStrategy: one unit per DiT block and per DiT), param_dtype {'bf16/fp16' if mixed else 'fp32'} "
+            "(Lightning's FSDP precision); the EMA sharded like the model"
+        )
+    if device == "cuda":
+        assumptions.append(
+            f"CUDA: +{CUDA_WORKSPACE_BYTES // MiB} MiB workspaces (allocated), +{CUDA_CONTEXT_BYTES // MiB} MiB context"
+            + (f", +{NCCL_BYTES // MiB} MiB NCCL" if world_size > 1 else "")
+            + f", +{FRAGMENTATION:.0%} allocator fragmentation headroom"
+        )
+
+    return MemoryPlan(
+        model=model,
+        depth=shape.depth,
+        hidden_size=shape.hidden_size,
+        num_heads=shape.num_heads,
+        patch_size=shape.patch_size,
+        latent_size=latent_size,
+        tokens=shape.tokens,
+        parameters_count=p_all,
+        micro_batch=n,
+        precision=precision,
+        attention=attn,
+        device=device,
+        checkpointed_blocks=k,
+        strategy=strategy if world_size > 1 else ("single device" if strategy == "ddp" else strategy),
+        sharding=sharding if fsdp else None,
+        world_size=world_size,
+        optimizer=optimizer,
+        fused_optimizer=fused,
+        ema=ema,
+        accumulate_grad_batches=accumulate_grad_batches,
+        peak_phase=peak_name,
+        parameters=params + at["working"],
+        gradients=at["gradients"],
+        optimizer_states=opt_states,
+        ema_weights=ema_bytes,
+        communication_buffers=buckets,
+        weight_copies_16bit=at["weights16"],
+        activations=at["activations"],
+        temporaries=at["temporaries"] + (CUDA_WORKSPACE_BYTES if device == "cuda" else 0),
+        peak_allocated=peak,
+        cuda_context=context,
+        allocator_headroom=frag,
+        total=total,
+        budget=budget,
+        gpu=spec.name if spec else None,
+        fits=None if budget is None else total <= budget,
+        static=static,
+        phases={k_: v for k_, v in totals.items() if not k_.startswith("backward block") or k_ in (peak_name, f"backward block {shape.depth - 1}", "backward block 0")},
+        activations_per_block=blk_terms,
+        assumptions=assumptions,
+    )

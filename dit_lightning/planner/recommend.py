@@ -1,0 +1,330 @@
+"""``--fit``: the fastest configuration that fits a GPU, with time and cost estimates.
+
+The search enumerates precision x strategy x micro-batch (every divisor of the per-GPU
+batch, so ``micro x world x accumulate == global`` exactly) and, for each, the smallest
+number of checkpointed blocks that fits (selective checkpointing: memory falls
+monotonically with every recomputed block, so a bisection finds the minimum). Candidates are
+ranked by the estimated step time:
+
+    micro   = max(micro x executed FLOPs per image / (utilisation x dense peak), kernels x launch)
+    step    = max(accumulation x micro, communication) + optimizer/EMA
+
+with the executed FLOPs of :func:`dit_lightning.models.flops.training_flops` (recompute
+included); an assumed utilisation (stated, overridable with a measured MFU) that is reached
+from 4096 tokens per micro-batch and falls as sqrt(tokens / 4096) below (small matmuls do
+not fill a GPU); a launch-bound floor of 5 us per kernel; gradient or parameter traffic over
+the GPU link assumed overlapped with compute; the memory-bound AdamW + EMA pass at 70% of the
+memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from ..models.flops import shape_of, training_flops
+from .hardware import GPUSpec, gpu_spec
+from .memory import GiB, MemoryPlan, OptimizerName, Precision, Sharding, Strategy, param_counts, plan_memory
+
+# Assumed hardware utilisation of executed FLOPs, relative to the dense peak of the precision.
+DEFAULT_MFU = {"bf16-mixed": 0.35, "16-mixed": 0.35, "32-true": 0.12}
+SATURATION_TOKENS = 4096  # tokens per micro-batch from which the assumed utilisation holds
+LAUNCH_S = 5e-6  # per kernel: the floor of a micro-batch when kernels are tiny
+KERNELS_PER_BLOCK = 80  # forward + backward kernels of one DiT block (recompute adds ~25)
+OPTIMIZER_BYTES_PER_PARAM = 40  # AdamW reads p, g, m, v and writes p, m, v; EMA reads 2, writes 1 (fp32)
+FSDP_EFFICIENCY = 0.95  # FSDP's all-gathers and resharding are not entirely hidden
+TIE = 0.03  # step times within 3% are ties, decided for the simpler configuration
+
+
+@dataclass
+class Candidate:
+    """One evaluated configuration (a row of the ranking)."""
+
+    precision: str
+    strategy: str
+    sharding: Optional[str]
+    micro_batch: int
+    accumulate_grad_batches: int
+    checkpointed_blocks: int
+    fits: bool
+    total_gib: float
+    step_time_s: float
+    images_per_s: float
+
+
+@dataclass
+class Recommendation:
+    """The fastest configuration that fits, its memory plan and time/cost estimates."""
+
+    model: str
+    gpu: Optional[str]
+    world_size: int
+    global_batch: int
+    feasible: bool
+    micro_batch: int
+    accumulate_grad_batches: int
+    precision: str
+    checkpointed_blocks: int
+    depth: int
+    strategy: str
+    sharding: Optional[str]
+    step_time_s: float
+    images_per_s: float
+    assumed_utilisation: float
+    model_flops_utilisation: float  # useful FLOPs (no recompute) over the dense peak
+    steps: int
+    hours: float
+    gpu_hours: float
+    price_per_gpu_hour: Optional[float]
+    cost: Optional[float]
+    memory: MemoryPlan
+    lightning_args: list[str] = field(default_factory=list)
+    alternatives: list[Candidate] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["memory"] = self.memory.to_dict()
+        return d
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def _peak_tflops(spec: GPUSpec, precision: str) -> float:
+    if precision == "bf16-mixed":
+        return spec.bf16_tflops
+    if precision == "16-mixed":
+        return spec.fp16_tflops
+    return spec.tf32_tflops  # the project enables TF32 for fp32 matmuls by default
+
+
+def estimate_step_time(
+    model: str,
+    spec: GPUSpec,
+    world_size: int,
+    global_batch: int,
+    micro_batch: int,
+    precision: str,
+    checkpointed_blocks: int,
+    strategy: str,
+    sharding: Optional[str],
+    mfu: Optional[float] = None,
+    **shape_kwargs,
+) -> tuple[float, float, float]:
+    """(step seconds, assumed utilisation, useful MFU) of one optimiser step."""
+    shape = shape_of(model, **shape_kwargs)
+    useful, executed = training_flops(shape, recomputed_blocks=checkpointed_blocks)
+    util = DEFAULT_MFU[precision] if mfu is None else mfu
+    peak = _peak_tflops(spec, precision) * 1e12
+    per_gpu = global_batch // world_size
+    n_micro = per_gpu // micro_batch
+    eff = FSDP_EFFICIENCY if (strategy == "fsdp" and world_size > 1) else 1.0
+    eff *= min(1.0, micro_batch * shape.tokens / SATURATION_TOKENS) ** 0.5
+    kernels = shape.depth * KERNELS_PER_BLOCK + 25 * checkpointed_blocks + 60
+    micro = max(micro_batch * executed / (util * eff * peak), kernels * LAUNCH_S)
+    compute = n_micro * micro
+    pc = param_counts(shape)
+    comm = 0.0
+    if world_size > 1:
+        ring = 2 * (world_size - 1) / world_size
+        pbytes = 2 if precision != "32-true" else 4
+        if strategy == "ddp":
+            traffic = ring * 4 * pc["trainable"]  # fp32 gradient all-reduce
+        elif sharding == "FULL_SHARD":
+            traffic = ring / 2 * pbytes * pc["total"] * 3  # all-gather fwd + bwd, reduce-scatter
+        else:
+            traffic = ring / 2 * pbytes * pc["total"] * 2
+        comm = traffic / (spec.link_gbs * 1e9)
+    shard = world_size if strategy == "fsdp" else 1
+    optim = OPTIMIZER_BYTES_PER_PARAM * pc["total"] / shard / (0.7 * spec.bandwidth_tbs * 1e12)
+    step = max(compute, comm) + optim
+    useful_mfu = global_batch * useful / (step * world_size * peak)
+    return step, util, useful_mfu
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def recommend(
+    model: str = "DiT-XL/2",
+    gpu: Optional[str] = "rtx4090",
+    num_gpus: int = 1,
+    global_batch: int = 256,
+    latent_size: int = 32,
+    precision: Optional[Precision] = None,
+    strategy: Optional[Strategy] = None,
+    sharding: Optional[Sharding] = None,
+    micro_batch: Optional[int] = None,
+    optimizer: OptimizerName = "adamw",
+    ema: bool = True,
+    memory_gib: Optional[float] = None,
+    mfu: Optional[float] = None,
+    steps: int = 400_000,
+    price_per_gpu_hour: Optional[float] = None,
+    top: int = 8,
+    **shape_kwargs,
+) -> Recommendation:
+    """Recommend the fastest configuration of ``num_gpus`` GPUs that fits at ``global_batch``.
+
+    Args:
+        model, latent_size, shape_kwargs: the network (see :func:`plan_memory`).
+        gpu: GPU type (its memory, peak compute, bandwidth); ``memory_gib`` overrides its memory.
+        num_gpus: data-parallel world size; ``global_batch`` must be divisible by it.
+        precision / strategy / sharding / micro_batch: pin a choice (default: search).
+        mfu: measured utilisation of the executed FLOPs (default 0.35 for 16-bit, 0.12 for fp32).
+        steps, price_per_gpu_hour: for the time and cost of the run.
+        top: how many alternatives to keep in the ranking.
+    """
+    if global_batch % num_gpus:
+        raise ValueError(f"global batch {global_batch} is not divisible by {num_gpus} GPUs")
+    spec = gpu_spec(gpu) if gpu else None
+    if spec is None:
+        raise ValueError("recommend needs a GPU type (for its compute and bandwidth); memory_gib may override its memory")
+    per_gpu = global_batch // num_gpus
+    shape = shape_of(model, input_size=latent_size, **shape_kwargs)
+    depth = shape.depth
+    skw = dict(latent_size=latent_size, **shape_kwargs)
+
+    if precision is not None:
+        precisions = [precision]
+    else:
+        precisions = ["bf16-mixed" if spec.supports_bf16 else "16-mixed", "32-true"]
+    if num_gpus == 1:
+        layouts = [("ddp", None)]
+    elif strategy == "ddp":
+        layouts = [("ddp", None)]
+    elif strategy == "fsdp":
+        layouts = [("fsdp", sharding)] if sharding else [("fsdp", "SHARD_GRAD_OP"), ("fsdp", "FULL_SHARD")]
+    else:
+        layouts = [("ddp", None), ("fsdp", "SHARD_GRAD_OP"), ("fsdp", "FULL_SHARD")]
+    micros = [micro_batch] if micro_batch else _divisors(per_gpu)
+    if micro_batch and per_gpu % micro_batch:
+        raise ValueError(f"micro-batch {micro_batch} does not divide the per-GPU batch {per_gpu} ({global_batch}/{num_gpus})")
+
+    def memory(prec: str, strat: str, shard: Optional[str], mb: int, k: int) -> MemoryPlan:
+        return plan_memory(
+            model,
+            micro_batch=mb,
+            precision=prec,
+            activation_checkpointing=k,
+            strategy=strat,
+            sharding=shard or "FULL_SHARD",
+            world_size=num_gpus,
+            optimizer=optimizer,
+            ema=ema,
+            accumulate_grad_batches=per_gpu // mb,
+            ddp_gradient_as_bucket_view=True,  # recommended: no second copy of the gradients
+            gpu=spec.name,
+            memory_gib=memory_gib,
+            device="cuda",
+            **skw,
+        )
+
+    evaluated: list[tuple[Candidate, MemoryPlan]] = []
+    for prec in precisions:
+        for strat, shard in layouts:
+            for mb in micros:
+                # smallest k that fits: memory is non-increasing in k, so bisect on [0, depth]
+                if not memory(prec, strat, shard, mb, depth).fits:
+                    plan_k, k = memory(prec, strat, shard, mb, depth), depth
+                    fits = False
+                else:
+                    lo, hi = 0, depth
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if memory(prec, strat, shard, mb, mid).fits:
+                            hi = mid
+                        else:
+                            lo = mid + 1
+                    k, plan_k, fits = lo, memory(prec, strat, shard, mb, lo), True
+                t, _, _ = estimate_step_time(model, spec, num_gpus, global_batch, mb, prec, k, strat, shard, mfu, **skw_shape(skw))
+                cand = Candidate(
+                    precision=prec,
+                    strategy=strat if num_gpus > 1 else "single device",
+                    sharding=shard,
+                    micro_batch=mb,
+                    accumulate_grad_batches=per_gpu // mb,
+                    checkpointed_blocks=k,
+                    fits=fits,
+                    total_gib=round(plan_k.total / GiB, 2),
+                    step_time_s=round(t, 4),
+                    images_per_s=round(global_batch / t, 2),
+                )
+                evaluated.append((cand, plan_k))
+
+    def rank(item: tuple[Candidate, MemoryPlan]) -> tuple:
+        c, _ = item
+        return (not c.fits, c.step_time_s, c.accumulate_grad_batches, c.strategy == "fsdp", c.precision != "bf16-mixed")
+
+    evaluated.sort(key=rank)
+    # The time model is coarse: among candidates within TIE of the fastest, take the simplest
+    # (DDP before FSDP, SHARD_GRAD_OP before FULL_SHARD, fewer accumulation steps, bf16).
+    fastest = evaluated[0][0]
+    close = [e for e in evaluated if e[0].fits == fastest.fits and e[0].step_time_s <= fastest.step_time_s * (1 + TIE)]
+    close.sort(key=lambda e: (e[0].strategy == "fsdp", e[0].sharding == "FULL_SHARD", e[0].accumulate_grad_batches, e[0].precision != "bf16-mixed", e[0].step_time_s))
+    best, best_plan = close[0]
+    evaluated.remove(close[0])
+    evaluated.insert(0, close[0])
+    t, util, useful_mfu = estimate_step_time(
+        model, spec, num_gpus, global_batch, best.micro_batch, best.precision, best.checkpointed_blocks,
+        best.strategy, best.sharding, mfu, **skw_shape(skw),
+    )
+    hours = steps * t / 3600
+    args = [
+        f"--trainer.devices {num_gpus}",
+        f"--trainer.precision {best.precision}",
+        f"--trainer.accumulate_grad_batches {best.accumulate_grad_batches}",
+        f"--data.global_batch_size {global_batch}",
+        f"--model.activation_checkpointing {best.checkpointed_blocks}",
+    ]
+    if num_gpus > 1:
+        if best.strategy == "ddp":  # the project's DDP strategy: gradient_as_bucket_view=True
+            args += ["--trainer.strategy dit_lightning.distributed.DiTDDPStrategy"]
+        else:  # FSDP1, one unit per DiTBlock and per DiT (model and EMA)
+            args += ["--trainer.strategy dit_lightning.distributed.DiTFSDPStrategy", f"--trainer.strategy.sharding_strategy {best.sharding}"]
+    assumptions = [
+        f"utilisation {util:.2f} of the dense {best.precision} peak ({_peak_tflops(spec, best.precision):g} TFLOP/s on {spec.name}) applied to executed FLOPs"
+        + (" (measured, given)" if mfu is not None else " (assumed default: 0.35 for 16-bit, 0.12 for fp32/TF32; documented DiT-XL/2 runs reach 12-38%)"),
+        f"utilisation reached from {SATURATION_TOKENS} tokens per micro-batch, x sqrt(tokens/{SATURATION_TOKENS}) below; "
+        f"{LAUNCH_S * 1e6:g} us per kernel launch floor; AdamW + EMA at 70% of {spec.bandwidth_tbs} TB/s",
+    ]
+    if num_gpus > 1:
+        assumptions.append("DDP with gradient_as_bucket_view=True (no bucket copy of the gradients)")
+        assumptions.append(f"communication over ~{spec.link_gbs:g} GB/s links, overlapped with compute (step = max of the two)")
+    return Recommendation(
+        model=model,
+        gpu=spec.name,
+        world_size=num_gpus,
+        global_batch=global_batch,
+        feasible=best.fits,
+        micro_batch=best.micro_batch,
+        accumulate_grad_batches=best.accumulate_grad_batches,
+        precision=best.precision,
+        checkpointed_blocks=best.checkpointed_blocks,
+        depth=depth,
+        strategy=best.strategy,
+        sharding=best.sharding,
+        step_time_s=t,
+        images_per_s=global_batch / t,
+        assumed_utilisation=util,
+        model_flops_utilisation=useful_mfu,
+        steps=steps,
+        hours=hours,
+        gpu_hours=hours * num_gpus,
+        price_per_gpu_hour=price_per_gpu_hour,
+        cost=None if price_per_gpu_hour is None else hours * num_gpus * price_per_gpu_hour,
+        memory=best_plan,
+        lightning_args=args,
+        alternatives=[c for c, _ in evaluated[:top]],
+        assumptions=assumptions,
+    )
+
+
+def skw_shape(skw: dict) -> dict:
+    """Map the plan's keyword names to :func:`shape_of` names (latent_size -> input_size)."""
+    out = {k: v for k, v in skw.items() if k != "latent_size"}
+    out["input_size"] = skw.get("latent_size", 32)
+    return out
