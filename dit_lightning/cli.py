@@ -53,18 +53,22 @@ class DiTCLI(LightningCLI):
 
 def _tools() -> dict[str, Callable]:
     from .data import extract_latents, prepare_digits
+    from .evaluation.fid import evaluate
     from .export import export_checkpoint
     from .planner import plan
+    from .sampling import sample
 
     return {
         "extract": extract_latents,
         "prepare-digits": prepare_digits,
         "export": export_checkpoint,
         "plan": plan,
+        "sample": sample,
+        "evaluate": evaluate,
     }
 
 
-TOOL_NAMES = ("extract", "prepare-digits", "export", "plan")
+TOOL_NAMES = ("extract", "prepare-digits", "export", "plan", "sample", "evaluate")
 # Flags that read better without a value on the command line.
 _FLAG_ALIASES = {"plan": {"--fit": "--fit=true", "--json": "--format=json"}}
 

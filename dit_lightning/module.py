@@ -141,7 +141,9 @@ class DiTModule(L.LightningModule):
         # is, before Lightning's generic load_state_dict error.
         from .models.checkpoint import _strip, check_dit_weights
 
-        sd = checkpoint.get("state_dict", {})
+        if "state_dict" not in checkpoint:  # sharded checkpoint: loaded (strictly) by the strategy
+            return
+        sd = checkpoint["state_dict"]
         check_dit_weights(self.model, _strip(sd, "model."), source="the checkpoint being resumed")
 
     @property
@@ -167,6 +169,9 @@ class DiTModule(L.LightningModule):
         if self.hparams.tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        from .distributed import configure_sharding
+
+        configure_sharding(self)  # FSDP2 under a ModelParallelStrategy (before compiling); else a no-op
         mode = self.hparams.compile
         if mode == "model" and not getattr(self.model, "_compiled", False):
             self.model.compile()  # in place: parameter names (and checkpoints) stay the same
@@ -261,10 +266,18 @@ class DiTModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         every = self.trainer.log_every_n_steps if self._trainer is not None else 1
         if self.global_step % max(1, every) == 0:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            if grads:
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            from .distributed import grad_norm
+
+            norm = grad_norm(self.model.parameters(), self._trainer.strategy if self._trainer is not None else None)
+            if norm is not None:
                 self.log("train/grad_norm", norm, batch_size=1)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: Optional[str] = None
+    ) -> None:
+        from .distributed import clip_gradients  # clipping by norm that also works under FSDP1/FSDP2
+
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ---- EMA ----------------------------------------------------------------------------
     def ema_decay_at(self, step: int) -> float:
@@ -278,10 +291,9 @@ class DiTModule(L.LightningModule):
         """ema <- decay * ema + (1 - decay) * model, over every parameter (one fused kernel)."""
         if self.ema is None:
             return
-        decay = self.ema_decay_at(self.global_step)
-        ema_params = list(self.ema.parameters())
-        params = [p.detach() for p in self.model.parameters()]
-        torch._foreach_lerp_(ema_params, params, 1.0 - decay)
+        from .distributed import ema_update_  # lerps local shards under FSDP: never gathers
+
+        ema_update_(self.ema, self.model, 1.0 - self.ema_decay_at(self.global_step))
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         # Called once per optimiser step (after all accumulated micro-batches), so the EMA
@@ -302,64 +314,49 @@ class DiTModule(L.LightningModule):
         noise: Optional[Tensor] = None,
         use_ema: Optional[bool] = None,
         eta: float = 0.0,
-        progress: bool = False,
+        indices: Optional[Union[Tensor, Sequence[int]]] = None,
     ) -> Tensor:
-        """Class-conditional samples (latents, unscaled by the VAE factor) for ``labels``.
+        """Class-conditional samples (latents, before the VAE's scale is undone) for ``labels``.
 
-        The initial noise and every sampling step are drawn from a generator seeded with
-        ``seed``, so the same call gives the same images.
+        Sample ``indices[k]`` (default ``k``) draws its initial and per-step noise from keys
+        (seed, index, step): the same call gives the same images, whatever the batching.
         """
+        from .sampling import sample_latents
+
         hp = self.hparams
-        num_steps = num_steps or hp.sample_steps
-        sampler = sampler or hp.sampler
-        cfg_scale = hp.cfg_scale if cfg_scale is None else cfg_scale
-        guide_channels = hp.guide_channels if guide_channels is None else guide_channels
         use_ema = (hp.eval_weights == "ema") if use_ema is None else use_ema
         net = self.ema if (use_ema and self.ema is not None) else self.model
-        was_training = net.training
-        net.eval()
-        device = next(net.parameters()).device
-        y = torch.as_tensor(labels, dtype=torch.long, device=device)
-        n = y.shape[0]
-        shape = (n, net.in_channels, net.input_size, net.input_size)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        z = noise.to(device) if noise is not None else torch.randn(shape, generator=gen, device=device)
-        respacing = f"ddim{num_steps}" if sampler == "ddim" else str(num_steps)
-        diffusion = create_diffusion(
-            respacing,
-            noise_schedule=hp.noise_schedule,
-            learn_sigma=hp.learn_sigma,
-            diffusion_steps=hp.diffusion_steps,
-        )
-        if cfg_scale != 1.0:
-            z = torch.cat([z, z], dim=0)
-            y = torch.cat([y, torch.full_like(y, net.num_classes)], dim=0)
-
-            def model_fn(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
-                return net.forward_with_cfg(x, t, y, cfg_scale, guide_channels)
-
-        else:
-            model_fn = net.forward
-        kwargs = dict(noise=z, clip_denoised=False, model_kwargs={"y": y}, device=device, progress=progress, generator=gen)
         with self._attention_context():
-            if sampler == "ddim":
-                out = diffusion.ddim_sample_loop(model_fn, z.shape, eta=eta, **kwargs)
-            else:
-                out = diffusion.p_sample_loop(model_fn, z.shape, **kwargs)
-        net.train(was_training)
-        return out[:n]
+            return sample_latents(
+                net,
+                labels,
+                indices,
+                seed=seed,
+                sampler=sampler or hp.sampler,
+                num_steps=num_steps or hp.sample_steps,
+                eta=eta,
+                cfg_scale=hp.cfg_scale if cfg_scale is None else cfg_scale,
+                guide_channels=hp.guide_channels if guide_channels is None else guide_channels,
+                noise_schedule=hp.noise_schedule,
+                diffusion_steps=hp.diffusion_steps,
+                noise=noise,
+            )
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """Images in [0, 1] for ``batch = {"index", "y"}`` (see ``LatentDataModule.predict_dataloader``);
+        sample i is keyed on (seed, i), so the output does not depend on batching or devices."""
+        latents = self.sample(batch["y"], seed=self.hparams.seed, indices=batch["index"])
+        scale = getattr(self._trainer.datamodule, "scale_factor", None) if self._trainer is not None else None
+        return {"index": batch["index"], "y": batch["y"], "images": self.decode(latents, scale_factor=scale)}
 
     def decode(self, latents: Tensor, scale_factor: Optional[float] = None) -> Tensor:
         """Images in [0, 1], (N, 3 or 1, H, W): through the VAE, or directly for pixel stores."""
-        vae_name = self.hparams.vae
-        if not vae_name or vae_name.startswith("none"):
-            return ((latents + 1) / 2).clamp(0, 1)
-        if vae_name not in self._decoder_cache:
-            from diffusers.models import AutoencoderKL
+        from .sampling import decode_latents, is_pixel_space, load_vae
 
-            vae = AutoencoderKL.from_pretrained(vae_name).eval().requires_grad_(False)
-            self._decoder_cache[vae_name] = vae
-        vae = self._decoder_cache[vae_name].to(latents.device)
-        factor = scale_factor if scale_factor is not None else 0.18215
-        images = vae.decode(latents / factor).sample
-        return ((images + 1) / 2).clamp(0, 1)
+        name = self.hparams.vae
+        if is_pixel_space(name):
+            return decode_latents(latents, None)
+        if name not in self._decoder_cache:
+            self._decoder_cache[name] = load_vae(name)
+        vae = self._decoder_cache[name].to(latents.device)
+        return decode_latents(latents, vae, scale_factor if scale_factor is not None else 0.18215)

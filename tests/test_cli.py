@@ -99,3 +99,26 @@ def test_every_config_parses_on_top_of_the_demo(config, capsys):
     with pytest.raises(SystemExit) as e:
         main(["fit", "--config", DEMO, "--config", str(ROOT / config), "--print_config"])
     assert e.value.code == 0, capsys.readouterr().err
+
+
+def test_predict_writes_class_conditional_pngs_from_a_checkpoint(tmp_path):
+    run_cli(fit_args(tmp_path, "run", 2), tmp_path)
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    out = tmp_path / "pred"
+    run_cli(
+        [
+            "predict", "--config", DEMO, *TINY, "--data.path", str(tmp_path / "digits"),
+            "--data.predict_labels", "3,7", "--data.predict_num_samples", "4", "--model.sample_steps", "5",
+            "--trainer.logger", "false", "--trainer.callbacks+=dit_lightning.callbacks.PredictionWriter",
+            "--trainer.callbacks.output_dir", str(out), "--ckpt_path", str(ckpt),
+        ],
+        tmp_path,
+    )
+    assert sorted(p.name for p in out.glob("*.png")) == ["000000-c3.png", "000001-c7.png", "000002-c3.png", "000003-c7.png"]
+
+
+def test_tool_commands_have_help():
+    for tool in ("extract", "prepare-digits", "export", "plan", "sample", "evaluate"):
+        with pytest.raises(SystemExit) as e:
+            main([tool, "--help"])
+        assert e.value.code == 0

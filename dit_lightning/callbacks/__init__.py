@@ -2,7 +2,7 @@
 
 from .config_logger import TensorBoardConfigLogger
 from .memory import GPUMemoryMonitor
-from .samples import SampleGrid
+from .samples import PredictionWriter, SampleGrid
 from .throughput import DiTThroughputMonitor
 
-__all__ = ["DiTThroughputMonitor", "GPUMemoryMonitor", "SampleGrid", "TensorBoardConfigLogger"]
+__all__ = ["DiTThroughputMonitor", "GPUMemoryMonitor", "PredictionWriter", "SampleGrid", "TensorBoardConfigLogger"]

@@ -7,35 +7,29 @@ from typing import Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from ..module import Sampler
+from ..sampling import make_grid_image, save_png
 
 
-def make_grid_image(images: Tensor, nrow: int) -> Tensor:
-    """(N, C, H, W) in [0, 1] -> one (3, H', W') grid with ``nrow`` images per row."""
-    from torchvision.utils import make_grid
+class PredictionWriter(BasePredictionWriter):
+    """Writes the images of ``dit-lightning predict`` as PNGs named by sample index and class
+    (atomically; samples whose file exists are rewritten identically, the draws being keyed)."""
 
-    if images.shape[1] == 1:
-        images = images.expand(-1, 3, -1, -1)
-    return make_grid(images.float().cpu(), nrow=nrow, padding=1, pad_value=1.0)
+    def __init__(self, output_dir: str = "outputs/predict") -> None:
+        super().__init__(write_interval="batch")
+        self.output_dir = Path(output_dir)
 
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0) -> None:
+        from ..sampling import _atomic_save_image, png_name, to_uint8
 
-def save_png(grid: Tensor, path: str | Path, upscale: int = 1) -> Path:
-    """Write a (3, H, W) [0, 1] grid as a PNG, nearest-upscaled so small digits stay visible."""
-    from PIL import Image
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    array = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-    image = Image.fromarray(array)
-    if upscale > 1:
-        image = image.resize((image.width * upscale, image.height * upscale), Image.NEAREST)
-    tmp = path.with_name(f".{path.name}.tmp")
-    image.save(tmp, format="PNG")
-    tmp.replace(path)
-    return path
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        arrays = to_uint8(prediction["images"])
+        for i, y, array in zip(prediction["index"].tolist(), prediction["y"].tolist(), arrays):
+            _atomic_save_image(array, self.output_dir / png_name(i, y), tmp_tag=f"rank{trainer.global_rank}")
 
 
 class SampleGrid(L.Callback):

@@ -421,6 +421,8 @@ class LatentDataModule(L.LightningDataModule):
         digits_size: Side of the digits images (multiple of 8) when ``prepare="digits"``.
         drop_last: Drop the last incomplete optimizer step of each epoch; if False it is filled
             by wrapping around to the start of the epoch's permutation.
+        predict_labels: Classes ``dit-lightning predict`` samples ("all", "random", "0-9", "1,5").
+        predict_num_samples: Number of samples ``dit-lightning predict`` generates.
     """
 
     def __init__(
@@ -440,6 +442,8 @@ class LatentDataModule(L.LightningDataModule):
         prepare: Optional[Literal["digits"]] = None,
         digits_size: int = 8,
         drop_last: bool = True,
+        predict_labels: str = "all",
+        predict_num_samples: int = 64,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -595,6 +599,15 @@ class LatentDataModule(L.LightningDataModule):
         )
         dataset = LatentBatchDataset(self.store, train=False)  # type: ignore[arg-type]
         return BatchDataLoader(dataset, sampler, **self._loader_kwargs())
+
+
+    def predict_dataloader(self) -> DataLoader:
+        """Sample requests ``{"index", "y"}`` for ``DiTModule.predict_step`` (Lightning shards them over ranks)."""
+        from ..sampling import SampleRequests, parse_labels
+
+        plan = parse_labels(self.hparams.predict_labels, self.num_classes, seed=self.seed)
+        requests = SampleRequests(range(self.hparams.predict_num_samples), plan)
+        return DataLoader(requests, batch_size=self.val_batch_size or self.global_batch_size, shuffle=False)
 
 
 def _trainer_progress(dm: LatentDataModule) -> Callable[[], int]:

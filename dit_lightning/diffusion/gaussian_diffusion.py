@@ -78,6 +78,14 @@ def _resolve_device(device: DeviceLike, noise: Optional[Tensor], generator: Opti
     return torch.device("cpu")
 
 
+# noise_fn(step, x) -> the noise of sampling step ``step`` (0 = first), shaped like x.
+NoiseFn = Callable[[int, Tensor], Tensor]
+
+
+def _no_noise(step: int, like: Tensor) -> None:
+    return None
+
+
 def _randn(
     shape: Sequence[int], *, device: torch.device, dtype: torch.dtype, generator: Optional[torch.Generator]
 ) -> Tensor:
@@ -382,10 +390,13 @@ class GaussianDiffusion:
         denoised_fn: Optional[Callable[[Tensor], Tensor]] = None,
         model_kwargs: Optional[dict[str, Any]] = None,
         generator: Optional[torch.Generator] = None,
+        noise: Optional[Tensor] = None,
     ) -> dict[str, Tensor]:
-        """One DDPM step x_t -> x_{t-1}: ``{"sample", "pred_xstart"}``; no noise where t == 0."""
+        """One DDPM step x_t -> x_{t-1}: ``{"sample", "pred_xstart"}``; no noise where t == 0.
+        ``noise`` replaces the step's draw from ``generator``."""
         out = self.p_mean_variance(model_fn, x, t, clip_denoised, denoised_fn, model_kwargs)
-        noise = _randn(x.shape, device=x.device, dtype=x.dtype, generator=generator)
+        if noise is None:
+            noise = _randn(x.shape, device=x.device, dtype=x.dtype, generator=generator)
         nonzero = (t != 0).to(x.dtype).view(-1, *([1] * (x.ndim - 1)))
         sample = out["mean"] + nonzero * torch.exp(0.5 * out["log_variance"]) * noise
         return {"sample": sample, "pred_xstart": out["pred_xstart"]}
@@ -415,14 +426,17 @@ class GaussianDiffusion:
         device: DeviceLike = None,
         progress: bool = False,
         generator: Optional[torch.Generator] = None,
+        noise_fn: Optional[NoiseFn] = None,
     ) -> Iterator[dict[str, Tensor]]:
-        """Yield ``{"sample", "pred_xstart", "t"}`` after every DDPM step, from t = T-1 down to 0."""
+        """Yield ``{"sample", "pred_xstart", "t"}`` after every DDPM step, from t = T-1 down to 0.
+        ``noise_fn(step, x)`` (step 0 = the first, noisiest) replaces the generator's draws."""
         model_fn = self._wrap_model(model_fn)
         x = self._loop_start(shape, noise, device, generator)
-        for i in _progress(list(range(self.num_timesteps))[::-1], progress, "DDPM sampling"):
+        step_noise = noise_fn or _no_noise
+        for step, i in enumerate(_progress(list(range(self.num_timesteps))[::-1], progress, "DDPM sampling")):
             t = torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)
             with torch.no_grad():
-                out = self.p_sample(model_fn, x, t, clip_denoised, denoised_fn, model_kwargs, generator)
+                out = self.p_sample(model_fn, x, t, clip_denoised, denoised_fn, model_kwargs, generator, step_noise(step, x))
             out["t"] = t
             yield out
             x = out["sample"]
@@ -438,11 +452,12 @@ class GaussianDiffusion:
         progress: bool = False,
         generator: Optional[torch.Generator] = None,
         denoised_fn: Optional[Callable[[Tensor], Tensor]] = None,
+        noise_fn: Optional[NoiseFn] = None,
     ) -> Tensor:
         """Ancestral sampling from pure noise; returns the final x_0 (latents)."""
         final = None
         for final in self.p_sample_loop_progressive(
-            model_fn, shape, noise, clip_denoised, denoised_fn, model_kwargs, device, progress, generator
+            model_fn, shape, noise, clip_denoised, denoised_fn, model_kwargs, device, progress, generator, noise_fn
         ):
             pass
         assert final is not None
@@ -460,8 +475,10 @@ class GaussianDiffusion:
         model_kwargs: Optional[dict[str, Any]] = None,
         eta: float = 0.0,
         generator: Optional[torch.Generator] = None,
+        noise: Optional[Tensor] = None,
     ) -> dict[str, Tensor]:
-        """One DDIM step (Song et al., eq. 12): ``{"sample", "pred_xstart"}``.
+        """One DDIM step (Song et al., eq. 12): ``{"sample", "pred_xstart"}``; ``noise``
+        replaces the step's draw from ``generator`` (used only when eta > 0).
 
         The learned variance is ignored; ``eta`` scales the DDIM sigma (0: deterministic,
         1: DDPM-like). No noise is added where t == 0.
@@ -482,7 +499,8 @@ class GaussianDiffusion:
         if eta == 0.0:
             # Deterministic: draw nothing, so the generator state is left untouched.
             return {"sample": mean_pred, "pred_xstart": out["pred_xstart"]}
-        noise = _randn(x.shape, device=x.device, dtype=x.dtype, generator=generator)
+        if noise is None:
+            noise = _randn(x.shape, device=x.device, dtype=x.dtype, generator=generator)
         nonzero = (t != 0).to(x.dtype).view(-1, *([1] * (x.ndim - 1)))
         return {"sample": mean_pred + nonzero * sigma * noise, "pred_xstart": out["pred_xstart"]}
 
@@ -498,14 +516,18 @@ class GaussianDiffusion:
         progress: bool = False,
         eta: float = 0.0,
         generator: Optional[torch.Generator] = None,
+        noise_fn: Optional[NoiseFn] = None,
     ) -> Iterator[dict[str, Tensor]]:
-        """Yield ``{"sample", "pred_xstart", "t"}`` after every DDIM step."""
+        """Yield ``{"sample", "pred_xstart", "t"}`` after every DDIM step (``noise_fn`` as DDPM's)."""
         model_fn = self._wrap_model(model_fn)
         x = self._loop_start(shape, noise, device, generator)
-        for i in _progress(list(range(self.num_timesteps))[::-1], progress, "DDIM sampling"):
+        step_noise = noise_fn or _no_noise
+        for step, i in enumerate(_progress(list(range(self.num_timesteps))[::-1], progress, "DDIM sampling")):
             t = torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)
             with torch.no_grad():
-                out = self.ddim_sample(model_fn, x, t, clip_denoised, denoised_fn, model_kwargs, eta, generator)
+                out = self.ddim_sample(
+                    model_fn, x, t, clip_denoised, denoised_fn, model_kwargs, eta, generator, step_noise(step, x)
+                )
             out["t"] = t
             yield out
             x = out["sample"]
@@ -522,11 +544,12 @@ class GaussianDiffusion:
         eta: float = 0.0,
         generator: Optional[torch.Generator] = None,
         denoised_fn: Optional[Callable[[Tensor], Tensor]] = None,
+        noise_fn: Optional[NoiseFn] = None,
     ) -> Tensor:
         """DDIM sampling from pure noise over this process's (possibly respaced) steps."""
         final = None
         for final in self.ddim_sample_loop_progressive(
-            model_fn, shape, noise, clip_denoised, denoised_fn, model_kwargs, device, progress, eta, generator
+            model_fn, shape, noise, clip_denoised, denoised_fn, model_kwargs, device, progress, eta, generator, noise_fn
         ):
             pass
         assert final is not None

@@ -1,0 +1,541 @@
+"""FID (and IS / KID) of generated samples with torchmetrics, offline-capable and cached.
+
+Features come from one extractor pass per batch: torchmetrics' InceptionV3 (torch-fidelity's
+port of the TF 2015-12-05 graph, the network of published FIDs) loaded from a local weights
+file, or any ``nn.Module`` mapping uint8 (N, 3, H, W) images to (N, D) features (tests, and
+offline feature spaces). ``antialias=False`` keeps torchmetrics' TF1-compatible bilinear
+resize, which is what makes numbers comparable with published FIDs.
+
+Reference statistics (mean and covariance of the real features) are computed once per
+(source, extractor) and cached as an ``.npz`` with ``mu`` / ``sigma`` -- the same keys as the
+ADM reference batches (``VIRTUAL_imagenet256_labeled.npz``), which can be given directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+import zipfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..sampling import LabelSpec, Precision, Sampler, Weights
+
+# What torchmetrics (through torch-fidelity) loads; the same converted TF weights are also
+# published by pytorch-fid as pt_inception-2015-12-05-6726825d.pth (same state-dict keys).
+INCEPTION_WEIGHTS_FILE = "weights-inception-2015-12-05-6726825d.pth"
+INCEPTION_WEIGHTS_URL = (
+    "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
+)
+PYTORCH_FID_WEIGHTS_FILE = "pt_inception-2015-12-05-6726825d.pth"
+PYTORCH_FID_WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/pt_inception-2015-12-05-6726825d.pth"
+INCEPTION_ENV = "DIT_INCEPTION_WEIGHTS"
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+ASSUMED_REFERENCE_COUNT = 50_000  # for mu/sigma files that do not say how many images they summarise
+
+Source = Union[str, os.PathLike]
+
+
+class InceptionWeightsMissing(FileNotFoundError):
+    """The Inception weights are needed but not on disk (and cannot be downloaded here)."""
+
+
+def _hub_checkpoint_dir() -> Path:
+    return Path(torch.hub.get_dir()) / "checkpoints"
+
+
+def find_inception_weights(path: Optional[str] = None) -> str:
+    """The InceptionV3 weights file: ``path``, ``$DIT_INCEPTION_WEIGHTS``, or torch hub's cache."""
+    candidates = [path] if path else []
+    if not path and os.environ.get(INCEPTION_ENV):
+        candidates.append(os.environ[INCEPTION_ENV])
+    if not path:
+        candidates += [str(_hub_checkpoint_dir() / n) for n in (INCEPTION_WEIGHTS_FILE, PYTORCH_FID_WEIGHTS_FILE)]
+    for c in candidates:
+        if c and os.path.isfile(c):
+            return c
+    where = f"'{path}' does not exist" if path else f"none given, ${INCEPTION_ENV} unset, nothing in {_hub_checkpoint_dir()}"
+    raise InceptionWeightsMissing(
+        f"FID/IS/KID need the InceptionV3 weights file ({where}). On a machine with internet:\n"
+        f"    wget {INCEPTION_WEIGHTS_URL}\n"
+        f"(torch-fidelity's {INCEPTION_WEIGHTS_FILE}, ~92 MB; pytorch-fid's {PYTORCH_FID_WEIGHTS_FILE} from "
+        f"{PYTORCH_FID_WEIGHTS_URL} holds the same weights), copy it here and pass it with "
+        f"--inception_weights PATH (Python: inception_weights=PATH; or set {INCEPTION_ENV}=PATH, or put it in "
+        f"{_hub_checkpoint_dir()}). torchmetrics then loads it through its feature_extractor_weights_path argument."
+    )
+
+
+class InceptionFeatures(nn.Module):
+    """torchmetrics' InceptionV3 giving pool features (2048) and, if asked, the unbiased logits
+    (1008) concatenated, in one forward; uint8 (N, 3, H, W) in."""
+
+    def __init__(self, weights_path: Optional[str] = None, logits: bool = False, antialias: bool = False) -> None:
+        super().__init__()
+        path = find_inception_weights(weights_path)
+        try:
+            from torchmetrics.image.fid import NoTrainInceptionV3
+        except ImportError as e:  # pragma: no cover - torchmetrics is a dependency
+            raise ImportError("FID needs torchmetrics") from e
+        self.features = ["2048", "logits_unbiased"] if logits else ["2048"]
+        self.net = NoTrainInceptionV3(
+            name="inception-v3-compat", features_list=self.features, feature_extractor_weights_path=path, antialias=antialias
+        )
+        self.weights_path = path
+        self.antialias = antialias
+        self.num_features = 2048 + (1008 if logits else 0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if len(self.features) == 1:
+            return self.net(x)
+        # NoTrainInceptionV3.forward returns only the first feature: ask for all of them.
+        return torch.cat([f.reshape(len(x), -1) for f in self.net._torch_fidelity_forward(x)], dim=1)
+
+    def identity(self) -> str:
+        size = os.path.getsize(self.weights_path)
+        return f"inception-v3-compat:{os.path.basename(self.weights_path)}:{size}:antialias={self.antialias}"
+
+
+class _Columns(nn.Module):
+    """Feeds precomputed features to a torchmetrics metric: takes columns [start, stop)."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        super().__init__()
+        self.start, self.stop = start, stop
+        self.num_features = stop - start
+
+    def forward(self, features: Tensor) -> Tensor:
+        return features[:, self.start : self.stop]
+
+
+def extractor_identity(extractor: nn.Module) -> str:
+    """A cache key for a feature extractor: Inception's weights file, or class + parameter hash."""
+    if isinstance(extractor, InceptionFeatures):
+        return extractor.identity()
+    h = hashlib.sha1(repr(extractor).encode())
+    for name, t in extractor.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    cls = type(extractor)
+    return f"{cls.__module__}.{cls.__qualname__}:{h.hexdigest()[:16]}"
+
+
+# --------------------------------------------------------------------------------------
+# Statistics
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class FeatureStats:
+    """Mean and covariance of a set of features (float64), and how many there were."""
+
+    mu: np.ndarray
+    sigma: np.ndarray
+    num_samples: int
+    features: Optional[np.ndarray] = None  # kept for KID when asked
+
+    @classmethod
+    def from_features(cls, features: np.ndarray, keep: bool = False) -> "FeatureStats":
+        f = np.asarray(features, dtype=np.float64)
+        if len(f) < 2:
+            raise ValueError("statistics need at least 2 samples")
+        return cls(f.mean(0), np.cov(f, rowvar=False), len(f), features.astype(np.float32) if keep else None)
+
+    def save(self, path: Union[str, Path], meta: Optional[dict[str, Any]] = None) -> Path:
+        """Atomic ``.npz`` with ``mu``, ``sigma`` (ADM's keys), ``num_samples`` and ``meta`` (JSON)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        arrays: dict[str, Any] = {"mu": self.mu, "sigma": self.sigma, "num_samples": np.int64(self.num_samples)}
+        if self.features is not None:
+            arrays["features"] = self.features
+        arrays["meta"] = np.frombuffer(json.dumps(meta or {}).encode(), dtype=np.uint8)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "FeatureStats":
+        with np.load(path) as z:
+            n = int(z["num_samples"]) if "num_samples" in z.files else ASSUMED_REFERENCE_COUNT
+            feats = z["features"] if "features" in z.files else None
+            return cls(z["mu"].astype(np.float64), z["sigma"].astype(np.float64), n, feats)
+
+
+def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray) -> float:
+    """||mu1 - mu2||^2 + Tr(S1 + S2 - 2 (S1 S2)^1/2), in float64.
+
+    The trace of the matrix square root is taken as ``sum(sqrt(eig(R S2 R)))`` with
+    ``R = S1^1/2`` (the same eigenvalues as S1 S2, but of a symmetric PSD matrix), which stays
+    exact for singular covariances (constant pixels, fewer samples than dimensions) where
+    ``scipy.linalg.sqrtm`` of the product warns and needs an epsilon offset.
+    """
+    mu1, mu2 = np.atleast_1d(mu1).astype(np.float64), np.atleast_1d(mu2).astype(np.float64)
+    s1, s2 = np.atleast_2d(sigma1).astype(np.float64), np.atleast_2d(sigma2).astype(np.float64)
+    w, v = np.linalg.eigh((s1 + s1.T) / 2)
+    root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    inner = root @ s2 @ root
+    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((inner + inner.T) / 2), 0, None)).sum()
+    diff = mu1 - mu2
+    return float(diff.dot(diff) + np.trace(s1) + np.trace(s2) - 2 * tr_covmean)
+
+
+# --------------------------------------------------------------------------------------
+# Image sources
+# --------------------------------------------------------------------------------------
+
+
+def _npz_member_batches(path: Path, key: str, batch_size: int, limit: Optional[int]) -> Iterator[np.ndarray]:
+    """Stream an (N, H, W, C) uint8 array out of an ``.npz`` without loading all of it."""
+    with zipfile.ZipFile(path) as zf:
+        name = f"{key}.npy"
+        if name not in zf.namelist():
+            raise KeyError(f"{path} has no '{key}' array (it has {[n[:-4] for n in zf.namelist()]})")
+        with zf.open(name) as f:
+            version = np.lib.format.read_magic(f)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}[version]
+            shape, fortran, dtype = read(f)
+            if fortran or dtype != np.uint8 or len(shape) != 4:
+                raise ValueError(f"{path}:{key} must be uint8 (N, H, W, C), got {dtype} {shape}")
+            n = shape[0] if limit is None else min(limit, shape[0])
+            per = int(np.prod(shape[1:]))
+            for start in range(0, n, batch_size):
+                k = min(batch_size, n - start)
+                yield np.frombuffer(f.read(k * per), dtype=np.uint8).reshape(k, *shape[1:]).copy()
+
+
+def _list_images(root: Path) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        files += [Path(dirpath) / f for f in sorted(filenames) if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
+    return files
+
+
+def _load_image(path: Path, image_size: Optional[int]) -> np.ndarray:
+    from PIL import Image
+
+    from ..data.preprocessing import adm_center_crop
+
+    with Image.open(path) as im:
+        image = im.convert("RGB")
+    if image_size is not None and image.size != (image_size, image_size):
+        image = adm_center_crop(image, image_size)
+    return np.asarray(image)
+
+
+def _store_batches(path: Path, batch_size: int, limit: Optional[int], device: str) -> Iterator[np.ndarray]:
+    """A latent store decoded to uint8 images (posterior means, unflipped)."""
+    from ..data.rng import to_float32
+    from ..data.store import LatentStore
+    from ..sampling import decode_latents, is_pixel_space, load_vae, to_uint8
+
+    store = LatentStore(path)
+    vae = None if is_pixel_space(store.spec.vae) else load_vae(store.spec.vae, device)
+    n = len(store) if limit is None else min(limit, len(store))
+    for start in range(0, n, batch_size):
+        idx = np.arange(start, min(n, start + batch_size))
+        x = torch.from_numpy(to_float32(store.read(idx, flip=0)[:, 0])).to(device)
+        if vae is None:
+            images = decode_latents(x, None)
+        else:
+            images = decode_latents(x * store.scale_factor, vae, store.scale_factor)
+        yield to_uint8(images)
+
+
+def image_batches(
+    source: Source, batch_size: int = 100, image_size: Optional[int] = None, limit: Optional[int] = None, device: str = "cpu"
+) -> Iterator[Tensor]:
+    """uint8 (B, 3, H, W) batches from an image folder (recursive; a ``dit-lightning sample``
+    output uses its ``samples/``), an ``.npz`` with ``arr_0`` (ADM format) or a latent store
+    (decoded). Grayscale becomes three channels; ``image_size`` ADM-centre-crops folder images."""
+    from ..data.store import is_store
+
+    path = Path(source)
+    if path.is_file() and path.suffix == ".npz":
+        it: Iterator[np.ndarray] = _npz_member_batches(path, "arr_0", batch_size, limit)
+    elif path.is_dir() and is_store(path):
+        it = _store_batches(path, batch_size, limit, device)
+    elif path.is_dir():
+        root = path / "samples" if (path / "sample_config.json").exists() else path
+        files = _list_images(root)[:limit]
+        if not files:
+            raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
+
+        def folder() -> Iterator[np.ndarray]:
+            for start in range(0, len(files), batch_size):
+                arrays = [_load_image(f, image_size) for f in files[start : start + batch_size]]
+                if len({a.shape for a in arrays}) > 1:
+                    raise ValueError(f"images under {root} differ in size: pass image_size to centre-crop them")
+                yield np.stack(arrays)
+
+        it = folder()
+    else:
+        raise FileNotFoundError(f"{source} is neither an image folder, a latent store nor an .npz")
+    for batch in it:
+        if batch.shape[-1] == 1:
+            batch = np.repeat(batch, 3, axis=-1)
+        yield torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2).contiguous()
+
+
+@torch.no_grad()
+def extract_features(extractor: nn.Module, batches: Iterator[Tensor], device: Union[str, torch.device] = "cpu") -> np.ndarray:
+    """(N, D) float32 features of all images."""
+    feats = [extractor(b.to(device)).float().cpu() for b in batches]
+    return torch.cat(feats).numpy() if feats else np.zeros((0, 0), np.float32)
+
+
+def _source_signature(path: Path) -> dict[str, Any]:
+    """What identifies a reference source cheaply: path, and sizes + mtimes of its files."""
+    if path.is_file():
+        st = path.stat()
+        return {"path": str(path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    count, total, newest = 0, 0, 0
+    for dirpath, _, files in os.walk(path, followlinks=True):
+        for f in files:
+            st = os.stat(os.path.join(dirpath, f))
+            count, total, newest = count + 1, total + st.st_size, max(newest, st.st_mtime_ns)
+    return {"path": str(path.resolve()), "files": count, "bytes": total, "mtime_ns": newest}
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dit-lightning" / "fid-stats"
+
+
+def reference_stats(
+    reference: Source,
+    extractor: nn.Module,
+    cache_dir: Optional[Union[str, Path]] = "auto",
+    batch_size: int = 100,
+    image_size: Optional[int] = None,
+    limit: Optional[int] = None,
+    keep_features: bool = False,
+    device: Union[str, torch.device] = "cpu",
+    dim: Optional[int] = None,
+) -> FeatureStats:
+    """Statistics of the real images, from a stats ``.npz`` (``mu``/``sigma``: ours or ADM's,
+    used as they are) or computed from images once and cached (``cache_dir=None``: no cache).
+
+    The cache file is keyed by the source (path, file sizes and mtimes), the extractor's
+    identity, ``image_size`` and ``limit``; it is written atomically. ``dim``: keep only the
+    first ``dim`` feature columns (Inception's pool features when it also yields logits).
+    """
+    path = Path(reference)
+    if path.is_file() and path.suffix == ".npz":
+        with np.load(path) as z:
+            has_stats = "mu" in z.files and "sigma" in z.files
+        if has_stats and not keep_features:
+            return FeatureStats.load(path)
+    key = {
+        "source": _source_signature(path),
+        "extractor": extractor_identity(extractor),
+        "dim": dim,
+        "image_size": image_size,
+        "limit": limit,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    cache = None
+    if cache_dir is not None:
+        cache = (default_cache_dir() if cache_dir == "auto" else Path(cache_dir)) / f"{path.stem or path.name}-{digest}.npz"
+        if cache.exists():
+            stats = FeatureStats.load(cache)
+            if stats.features is not None or not keep_features:
+                return stats
+    feats = extract_features(extractor, image_batches(path, batch_size, image_size, limit, str(device)), device)
+    if dim is not None:
+        feats = feats[:, :dim]
+    stats = FeatureStats.from_features(feats, keep=keep_features)
+    if cache is not None:
+        stats.save(cache, meta=key)
+    return stats
+
+
+# --------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------
+
+
+def _fid_with_reference(dim: int, ref: FeatureStats) -> Any:
+    """A torchmetrics FID whose real-side state holds the reference statistics."""
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    metric = FrechetInceptionDistance(feature=_Columns(0, dim), reset_real_features=False)
+    n = max(2, int(ref.num_samples))
+    mu = torch.from_numpy(ref.mu).double()
+    sigma = torch.from_numpy(ref.sigma).double()
+    # Inverse of how torchmetrics turns its sums into mean and (unbiased) covariance.
+    metric.real_features_sum = mu * n
+    metric.real_features_cov_sum = sigma * (n - 1) + n * torch.outer(mu, mu)
+    metric.real_features_num_samples = torch.tensor(n, dtype=torch.long)
+    return metric
+
+
+def compute_metrics(
+    samples: Source,
+    reference: Optional[Source] = None,
+    metrics: Sequence[str] = ("fid",),
+    inception_weights: Optional[str] = None,
+    feature_extractor: Optional[nn.Module] = None,
+    antialias: bool = False,
+    cache_dir: Optional[Union[str, Path]] = "auto",
+    batch_size: int = 100,
+    image_size: Optional[int] = None,
+    max_samples: Optional[int] = None,
+    max_reference: Optional[int] = None,
+    kid_subset_size: int = 1000,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """FID / IS / KID of ``samples`` (folder, sample output dir, ``.npz``) against ``reference``.
+
+    ``metrics``: any of "fid", "is", "kid" ("is" needs no reference; "is" needs Inception).
+    ``feature_extractor``: an ``nn.Module`` used instead of Inception (uint8 (N,3,H,W) -> (N,D)).
+    """
+    wanted = [m.lower() for m in metrics]
+    unknown = set(wanted) - {"fid", "is", "kid"}
+    if unknown:
+        raise ValueError(f"unknown metrics {sorted(unknown)}: choose from fid, is, kid")
+    if ("fid" in wanted or "kid" in wanted) and reference is None:
+        raise ValueError("FID and KID need a reference (image folder, store, .npz of images or of mu/sigma)")
+    if feature_extractor is None:
+        extractor: nn.Module = InceptionFeatures(inception_weights, logits="is" in wanted, antialias=antialias)
+        dim = 2048
+    else:
+        if "is" in wanted:
+            raise ValueError("IS needs the Inception classifier's logits: leave feature_extractor unset")
+        extractor = feature_extractor
+        dim = None
+    extractor = extractor.to(device).eval()
+    fake = extract_features(extractor, image_batches(samples, batch_size, image_size, max_samples, device), device)
+    if len(fake) < 2:
+        raise ValueError(f"{samples} has fewer than 2 images")
+    dim = dim or fake.shape[1]
+    fake_t = torch.from_numpy(fake).double()
+    result: dict[str, Any] = {"num_samples": int(len(fake)), "feature_extractor": extractor_identity(extractor)}
+    if reference is not None and ("fid" in wanted or "kid" in wanted):
+        ref = reference_stats(
+            reference, extractor, cache_dir, batch_size, image_size, max_reference,
+            keep_features="kid" in wanted, device=device, dim=dim,
+        )  # fmt: skip
+        result["num_reference"] = int(ref.num_samples)
+        if "fid" in wanted:
+            metric = _fid_with_reference(dim, ref)
+            metric.update(fake_t, real=False)
+            result["fid"] = float(metric.compute())
+        if "kid" in wanted:
+            from torchmetrics.image.kid import KernelInceptionDistance
+
+            if ref.features is None:
+                raise ValueError("KID needs reference images (not a mu/sigma file)")
+            size = min(kid_subset_size, len(fake), len(ref.features))
+            with warnings.catch_warnings():  # "saves all features": we hand it features, not images
+                warnings.filterwarnings("ignore", message=".*will save all extracted features")
+                kid = KernelInceptionDistance(feature=_Columns(0, dim), subset_size=size)
+            kid.update(torch.from_numpy(ref.features).double(), real=True)
+            kid.update(fake_t[:, :dim], real=False)
+            mean, std = kid.compute()
+            result["kid"], result["kid_std"] = float(mean), float(std)
+    if "is" in wanted:
+        from torchmetrics.image.inception import InceptionScore
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*will save all extracted features")
+            score = InceptionScore(feature=_Columns(2048, 2048 + 1008))
+        score.update(fake_t.float())
+        mean, std = score.compute()
+        result["is"], result["is_std"] = float(mean), float(std)
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# Sample, then measure
+# --------------------------------------------------------------------------------------
+
+
+def evaluate(
+    checkpoint: str,
+    output: str,
+    reference: Optional[str] = None,
+    num_samples: int = 50_000,
+    metrics: list[str] = ["fid"],  # noqa: B006 - jsonargparse needs a plain default
+    inception_weights: Optional[str] = None,
+    feature_extractor: Optional[nn.Module] = None,
+    antialias: bool = False,
+    cache_dir: Optional[str] = "auto",
+    image_size: Optional[int] = None,
+    max_reference: Optional[int] = None,
+    labels: LabelSpec = "random",
+    sampler: Optional[Sampler] = None,
+    num_steps: Optional[int] = None,
+    eta: float = 0.0,
+    cfg_scale: Optional[float] = None,
+    guide_channels: Optional[int] = None,
+    seed: int = 0,
+    batch_size: int = 32,
+    precision: Precision = "fp32",
+    weights: Weights = "ema",
+    vae: Optional[str] = None,
+    device: str = "auto",
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    progress: bool = True,
+) -> Optional[dict[str, Any]]:
+    """Sample ``num_samples`` images (resumable, distributed: see ``dit-lightning sample``) and
+    measure them: FID / IS / KID with torchmetrics, and "digits" (classifier accuracy and
+    Fréchet distances in offline feature spaces, for the digits demo). Writes
+    ``output/metrics.json``; returns the metrics on the process that computed them.
+
+    ``reference``: an image folder, a latent store (decoded), an ``.npz`` of images (``arr_0``)
+    or of statistics (``mu``/``sigma``, e.g. ADM's ``VIRTUAL_imagenet256_labeled.npz``).
+    ``inception_weights``: the local InceptionV3 weights file (offline machines).
+    The Inception and reference settings are checked before sampling starts.
+    """
+    from ..sampling import sample as run_sampling
+
+    wanted = [m.lower() for m in metrics]
+    inception_needed = any(m in wanted for m in ("fid", "is", "kid")) and feature_extractor is None
+    if inception_needed:
+        find_inception_weights(inception_weights)  # fail now, not after hours of sampling
+    if reference is not None and not os.path.exists(reference):
+        raise FileNotFoundError(f"reference {reference} does not exist")
+    result = run_sampling(
+        checkpoint, output, num_samples=num_samples, labels=labels, sampler=sampler, num_steps=num_steps, eta=eta,
+        cfg_scale=cfg_scale, guide_channels=guide_channels, seed=seed, batch_size=batch_size, precision=precision,
+        weights=weights, vae=vae, device=device, rank=rank, world_size=world_size, progress=progress,
+    )  # fmt: skip
+    if not result["complete"]:
+        return None  # another rank finishes the set and measures it
+    dev = str(torch.device("cuda", 0) if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    samples_dir = result["samples_dir"]
+    out: dict[str, Any] = {"samples": result["npz"] or samples_dir, "reference": reference}
+    image_metrics = [m for m in wanted if m != "digits"]
+    if image_metrics:
+        out.update(
+            compute_metrics(
+                samples_dir, reference, image_metrics, inception_weights, feature_extractor, antialias, cache_dir,
+                image_size=image_size, max_samples=num_samples, max_reference=max_reference, device=dev,
+            )  # fmt: skip
+        )
+    if "digits" in wanted:
+        from .digits import digits_metrics_from_samples
+
+        out["digits"] = digits_metrics_from_samples(samples_dir, limit=num_samples)
+    config = json.loads((Path(output) / "sample_config.json").read_text())
+    out["sampling"] = {k: config[k] for k in ("sampler", "num_steps", "cfg_scale", "guide_channels", "seed", "weights", "vae")}
+    tmp = Path(output) / f".metrics.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp, Path(output) / "metrics.json")
+    if progress:
+        shown = {k: v for k, v in out.items() if k in ("fid", "is", "kid", "num_samples", "num_reference")}
+        print(f"metrics: {json.dumps(shown)} -> {Path(output) / 'metrics.json'}")
+    return out
