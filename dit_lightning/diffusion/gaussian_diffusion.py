@@ -432,11 +432,21 @@ class GaussianDiffusion:
         ``noise_fn(step, x)`` (step 0 = the first, noisiest) replaces the generator's draws."""
         model_fn = self._wrap_model(model_fn)
         x = self._loop_start(shape, noise, device, generator)
+
+        def step(x: Tensor, t: Tensor, z: Optional[Tensor]) -> dict[str, Tensor]:
+            return self.p_sample(model_fn, x, t, clip_denoised, denoised_fn, model_kwargs, generator, z)
+
+        yield from self._run_steps(step, x, progress, "DDPM sampling", noise_fn)
+
+    def _run_steps(
+        self, step: Callable[..., dict[str, Tensor]], x: Tensor, progress: bool, description: str, noise_fn: Optional[NoiseFn]
+    ) -> Iterator[dict[str, Tensor]]:
+        """The loop shared by the samplers: t = T-1 .. 0, each step's noise from ``noise_fn``."""
         step_noise = noise_fn or _no_noise
-        for step, i in enumerate(_progress(list(range(self.num_timesteps))[::-1], progress, "DDPM sampling")):
+        for k, i in enumerate(_progress(list(range(self.num_timesteps))[::-1], progress, description)):
             t = torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)
             with torch.no_grad():
-                out = self.p_sample(model_fn, x, t, clip_denoised, denoised_fn, model_kwargs, generator, step_noise(step, x))
+                out = step(x, t, step_noise(k, x))
             out["t"] = t
             yield out
             x = out["sample"]
@@ -521,16 +531,11 @@ class GaussianDiffusion:
         """Yield ``{"sample", "pred_xstart", "t"}`` after every DDIM step (``noise_fn`` as DDPM's)."""
         model_fn = self._wrap_model(model_fn)
         x = self._loop_start(shape, noise, device, generator)
-        step_noise = noise_fn or _no_noise
-        for step, i in enumerate(_progress(list(range(self.num_timesteps))[::-1], progress, "DDIM sampling")):
-            t = torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)
-            with torch.no_grad():
-                out = self.ddim_sample(
-                    model_fn, x, t, clip_denoised, denoised_fn, model_kwargs, eta, generator, step_noise(step, x)
-                )
-            out["t"] = t
-            yield out
-            x = out["sample"]
+
+        def step(x: Tensor, t: Tensor, z: Optional[Tensor]) -> dict[str, Tensor]:
+            return self.ddim_sample(model_fn, x, t, clip_denoised, denoised_fn, model_kwargs, eta, generator, z)
+
+        yield from self._run_steps(step, x, progress, "DDIM sampling", noise_fn)
 
     def ddim_sample_loop(
         self,
