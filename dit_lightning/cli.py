@@ -53,6 +53,7 @@ class DiTCLI(LightningCLI):
 
 def _tools() -> dict[str, Callable]:
     from .data import extract_latents, prepare_digits
+    from .distributed import consolidate
     from .evaluation.fid import evaluate
     from .export import export_checkpoint
     from .planner import plan
@@ -65,10 +66,11 @@ def _tools() -> dict[str, Callable]:
         "plan": plan,
         "sample": sample,
         "evaluate": evaluate,
+        "consolidate": consolidate,
     }
 
 
-TOOL_NAMES = ("extract", "prepare-digits", "export", "plan", "sample", "evaluate")
+TOOL_NAMES = ("extract", "prepare-digits", "export", "plan", "sample", "evaluate", "consolidate")
 # Flags that read better without a value on the command line.
 _FLAG_ALIASES = {"plan": {"--fit": "--fit=true", "--json": "--format=json"}}
 

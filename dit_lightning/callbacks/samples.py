@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
+from ..distributed import is_sharded
 from ..module import Sampler
 from ..sampling import make_grid_image, save_png
 
@@ -87,23 +88,25 @@ class SampleGrid(L.Callback):
         scale = getattr(trainer.datamodule, "scale_factor", None) if trainer.datamodule is not None else None
         images = pl_module.decode(latents, scale_factor=scale)
         self.last_grid = make_grid_image(images, nrow=self.per_class)
-        for logger in trainer.loggers:
+        for logger in trainer.loggers if trainer.is_global_zero else []:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_image("samples/grid", self.last_grid, global_step=trainer.global_step)
         return self.last_grid
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0 and trainer.is_global_zero:
+        # Under FSDP sampling gathers shards (a collective): every rank renders, rank 0 logs.
+        renders = trainer.is_global_zero or is_sharded(pl_module)
+        if self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0 and renders:
             # Several micro-batches share one optimiser step: sample once per step.
             if getattr(self, "_last_step", None) != step:
                 self._last_step = step
                 self.render(trainer, pl_module)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if not trainer.is_global_zero or trainer.global_step == 0:
+        if trainer.global_step == 0 or not (trainer.is_global_zero or is_sharded(pl_module)):
             return
         grid = self.render(trainer, pl_module)
-        if self.output:
+        if self.output and trainer.is_global_zero:
             path = save_png(grid, self.output, upscale=self.upscale)
             print(f"sample grid ({len(self._labels(pl_module))} images, one row per class) written to {path}")
