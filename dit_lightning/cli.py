@@ -30,9 +30,14 @@ class DiTCLI(LightningCLI):
     so a model and a store that do not match cannot be configured."""
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("data.latent_shape", "model.latent_shape", apply_on="instantiate")
-        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
-        parser.link_arguments("data", "model.vae", compute_fn=_store_vae, apply_on="instantiate")
+        # Subclass mode: DiTModule or a subclass (DistillationModule) chosen by model.class_path;
+        # plain model arguments in a config mean DiTModule. Their arguments live under init_args.
+        model = "model.init_args." if self.subclass_mode_model else "model."
+        parser.link_arguments("data.latent_shape", model + "latent_shape", apply_on="instantiate")
+        parser.link_arguments("data.num_classes", model + "num_classes", apply_on="instantiate")
+        parser.link_arguments("data", model + "vae", compute_fn=_store_vae, apply_on="instantiate")
+        if self.subclass_mode_model:
+            parser.set_defaults({"model": {"class_path": "dit_lightning.module.DiTModule"}})
         # Always-on, configurable checkpointing: every N optimiser steps plus `last.ckpt`.
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 1000})
@@ -56,6 +61,7 @@ def _tools() -> dict[str, Callable]:
     from .distributed import consolidate
     from .evaluation.fid import evaluate
     from .export import export_checkpoint
+    from .models.pruning import prune
     from .planner import plan
     from .sampling import sample
 
@@ -63,6 +69,7 @@ def _tools() -> dict[str, Callable]:
         "extract": extract_latents,
         "prepare-digits": prepare_digits,
         "export": export_checkpoint,
+        "prune": prune,
         "plan": plan,
         "sample": sample,
         "evaluate": evaluate,
@@ -70,7 +77,7 @@ def _tools() -> dict[str, Callable]:
     }
 
 
-TOOL_NAMES = ("extract", "prepare-digits", "export", "plan", "sample", "evaluate", "consolidate")
+TOOL_NAMES = ("extract", "prepare-digits", "export", "prune", "plan", "sample", "evaluate", "consolidate")
 # Flags that read better without a value on the command line.
 _FLAG_ALIASES = {"plan": {"--fit": "--fit=true", "--json": "--format=json"}}
 
@@ -86,6 +93,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     DiTCLI(
         DiTModule,
         LatentDataModule,
+        subclass_mode_model=True,  # DiTModule or a subclass (dit_lightning.distill.DistillationModule)
         save_config_callback=TensorBoardConfigLogger,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": "Train DiT with Lightning. Tools: " + ", ".join(TOOL_NAMES) + " (dit-lightning TOOL --help)."},

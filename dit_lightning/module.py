@@ -40,6 +40,7 @@ class DiTModule(L.LightningModule):
         latent_shape: (C, H, W) of the latents; linked from the data module by the CLI.
         num_classes: number of classes; linked from the data module by the CLI.
         depth, hidden_size, num_heads, patch_size, mlp_ratio: override the named sizes.
+        attn_dim: width of q, k, v when it is not hidden_size (head-pruned models).
         learn_sigma: predict the variance too (the hybrid loss); else plain epsilon MSE.
         class_dropout_prob: label dropout for classifier-free guidance.
         qk_norm: LayerNorm on queries and keys (stabilises fp16; not in released weights).
@@ -74,6 +75,7 @@ class DiTModule(L.LightningModule):
         num_heads: Optional[int] = None,
         patch_size: Optional[int] = None,
         mlp_ratio: float = 4.0,
+        attn_dim: Optional[int] = None,
         learn_sigma: bool = True,
         class_dropout_prob: float = 0.1,
         qk_norm: bool = False,
@@ -113,6 +115,7 @@ class DiTModule(L.LightningModule):
             num_heads=num_heads,
             patch_size=patch_size,
             mlp_ratio=mlp_ratio,
+            attn_dim=attn_dim,
             learn_sigma=learn_sigma,
             class_dropout_prob=class_dropout_prob,
             qk_norm=qk_norm,

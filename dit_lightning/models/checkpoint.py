@@ -12,6 +12,7 @@ fsync, rename) so a killed export never leaves a truncated file behind.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -104,6 +105,7 @@ def infer_dit_config(sd: StateDict) -> dict[str, Any]:
         table = sd["y_embedder.embedding_table.weight"].shape[0]
         out_features = sd["final_layer.linear.weight"].shape[0]
         mlp_hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
+        attn_dim = sd["blocks.0.attn.qkv.weight"].shape[0] // 3
     except KeyError as e:
         raise ValueError(f"not a DiT state dict: missing {e}") from None
     depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
@@ -112,13 +114,18 @@ def infer_dit_config(sd: StateDict) -> dict[str, Any]:
     out_channels = out_features // (patch * patch)
     learn_sigma = out_channels == 2 * in_channels
     qk_norm = "blocks.0.attn.q_norm.weight" in sd
+    # DiT builds int(hidden * mlp_ratio) channels and fc1 rows / hidden can round below the
+    # exact ratio (61 / 56 * 56 = 60.99...): nudge it up so the stored width is rebuilt.
+    mlp_ratio = mlp_hidden / hidden
+    while int(hidden * mlp_ratio) < mlp_hidden:
+        mlp_ratio = math.nextafter(mlp_ratio, math.inf)
     cfg = {
         "input_size": grid * patch,
         "patch_size": patch,
         "in_channels": in_channels,
         "hidden_size": hidden,
         "depth": depth,
-        "mlp_ratio": mlp_hidden / hidden,
+        "mlp_ratio": mlp_ratio,
         "learn_sigma": learn_sigma,
         "qk_norm": qk_norm,
     }
@@ -128,6 +135,10 @@ def infer_dit_config(sd: StateDict) -> dict[str, Any]:
     cfg["class_dropout_prob"] = 0.1
     named = [n for n, c in DIT_CONFIGS.items() if c["depth"] == depth and c["hidden_size"] == hidden and c["patch_size"] == patch]
     cfg["num_heads"] = DIT_CONFIGS[named[0]]["num_heads"] if named else max(1, hidden // 64)
+    if attn_dim != hidden:  # head-pruned: exact heads with QK-norm (its weight has the head size)
+        cfg["attn_dim"] = attn_dim
+        head = sd["blocks.0.attn.q_norm.weight"].shape[0] if qk_norm else (64 if attn_dim % 64 == 0 else attn_dim)
+        cfg["num_heads"] = attn_dim // head
     return cfg
 
 

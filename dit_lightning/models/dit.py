@@ -136,26 +136,29 @@ class LabelEmbedder(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection, computed by PyTorch's SDPA
     (flash / memory-efficient kernels on GPU). Optional QK-norm stabilises fp16 training
-    (it adds parameters, so released checkpoints use it off)."""
+    (it adds parameters, so released checkpoints use it off). ``attn_dim``, the width of q, k
+    and v (default ``dim``), differs from the residual width ``dim`` only after head pruning."""
 
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False) -> None:
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False, attn_dim: Optional[int] = None) -> None:
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"hidden_size {dim} is not divisible by num_heads {num_heads}")
+        attn_dim = dim if attn_dim is None else attn_dim
+        if attn_dim % num_heads:
+            name = "hidden_size" if attn_dim == dim else "attn_dim"
+            raise ValueError(f"{name} {attn_dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, dim * 3, bias=True)
+        self.head_dim = attn_dim // num_heads
+        self.qkv = nn.Linear(dim, attn_dim * 3, bias=True)
         self.q_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.proj = nn.Linear(dim, dim, bias=True)
+        self.proj = nn.Linear(attn_dim, dim, bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        n, t, d = x.shape
+        n, t, _ = x.shape
         qkv = self.qkv(x).reshape(n, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         x = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(x.transpose(1, 2).reshape(n, t, d))
+        return self.proj(x.transpose(1, 2).reshape(n, t, self.num_heads * self.head_dim))
 
 
 class Mlp(nn.Module):
@@ -176,10 +179,12 @@ class DiTBlock(nn.Module):
     and a residual gate for both the attention and the MLP branch; the gates start at zero so
     every block starts as the identity."""
 
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, qk_norm: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, qk_norm: bool = False, attn_dim: Optional[int] = None
+    ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm)
+        self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm, attn_dim=attn_dim)
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
@@ -254,7 +259,8 @@ class DiT(nn.Module):
     """Class-conditional Diffusion Transformer over latents of shape (N, in_channels, input_size, input_size).
 
     ``forward(x, t, y)`` returns (N, out_channels, H, W) where out_channels = 2 * in_channels
-    with ``learn_sigma`` (epsilon, then the variance interpolation value).
+    with ``learn_sigma`` (epsilon, then the variance interpolation value). ``attn_dim`` (the
+    width of q, k, v; default ``hidden_size``) is set only by head-pruned models.
     """
 
     def __init__(
@@ -271,6 +277,7 @@ class DiT(nn.Module):
         learn_sigma: bool = True,
         qk_norm: bool = False,
         activation_checkpointing: CheckpointSpec = None,
+        attn_dim: Optional[int] = None,
     ) -> None:
         super().__init__()
         if input_size % patch_size:
@@ -285,6 +292,7 @@ class DiT(nn.Module):
         self.hidden_size = hidden_size
         self.depth = depth
         self.num_heads = num_heads
+        self.attn_dim = attn_dim  # None: hidden_size
         self.mlp_ratio = mlp_ratio
         self.num_classes = num_classes
         self.learn_sigma = learn_sigma
@@ -297,7 +305,7 @@ class DiT(nn.Module):
         # Fixed, not trained, but a Parameter (not a buffer) because released checkpoints hold it.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList(
-            [DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, qk_norm=qk_norm) for _ in range(depth)]
+            [DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, qk_norm=qk_norm, attn_dim=attn_dim) for _ in range(depth)]
         )
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.checkpoint_blocks: tuple[int, ...] = ()

@@ -10,6 +10,7 @@ from a tracing counter whose treatment of a few small ops differs slightly).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class DiTShape:
     mlp_ratio: float = 4.0
     class_dropout_prob: float = 0.1
     frequency_embedding_size: int = 256
+    attn_dim: Optional[int] = None  # width of q, k, v; None: hidden_size (differs after head pruning)
 
     @property
     def tokens(self) -> int:
@@ -35,6 +37,10 @@ class DiTShape:
     @property
     def out_channels(self) -> int:
         return 2 * self.in_channels if self.learn_sigma else self.in_channels
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.hidden_size if self.attn_dim is None else self.attn_dim
 
     @property
     def mlp_hidden(self) -> int:
@@ -54,14 +60,15 @@ class DiTShape:
             learn_sigma=model.learn_sigma,
             mlp_ratio=model.mlp_ratio,
             class_dropout_prob=model.class_dropout_prob,
+            attn_dim=getattr(model, "attn_dim", None),
         )
 
 
 def block_macs(s: DiTShape) -> int:
     """MACs of one DiT block for one image."""
-    t, d, m = s.tokens, s.hidden_size, s.mlp_hidden
-    qkv_proj = t * d * 3 * d + t * d * d
-    attention = 2 * t * t * d  # QK^T and AV over all heads
+    t, d, m, a = s.tokens, s.hidden_size, s.mlp_hidden, s.qkv_dim
+    qkv_proj = t * d * 3 * a + t * a * d
+    attention = 2 * t * t * a  # QK^T and AV over all heads
     mlp = 2 * t * d * m
     adaln = d * 6 * d  # once per image, not per token
     return qkv_proj + attention + mlp + adaln
@@ -87,11 +94,11 @@ def training_flops(s: DiTShape, recomputed_blocks: int = 0) -> tuple[int, int]:
 
 def dit_params(s: DiTShape, include_pos_embed: bool = True) -> int:
     """Number of parameters (the fixed ``pos_embed`` included by default, as in checkpoints)."""
-    d, p, m = s.hidden_size, s.patch_size, s.mlp_hidden
+    d, p, m, a = s.hidden_size, s.patch_size, s.mlp_hidden, s.qkv_dim
     patch_embed = s.in_channels * p * p * d + d
     t_embed = s.frequency_embedding_size * d + d + d * d + d
     y_embed = (s.num_classes + int(s.class_dropout_prob > 0)) * d
-    block = (d * 3 * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d) + (d * 6 * d + 6 * d)
+    block = (d * 3 * a + 3 * a) + (a * d + d) + (d * m + m) + (m * d + d) + (d * 6 * d + 6 * d)
     final = (d * 2 * d + 2 * d) + (d * p * p * s.out_channels + p * p * s.out_channels)
     pos = s.tokens * d if include_pos_embed else 0
     return patch_embed + t_embed + y_embed + s.depth * block + final + pos

@@ -1,0 +1,178 @@
+import pytest
+import torch
+
+from dit_lightning.diffusion import create_diffusion
+from dit_lightning.models import DiT, DiTShape, dit_params
+from dit_lightning.models.checkpoint import infer_dit_config, read_checkpoint
+from dit_lightning.models.pruning import (
+    block_importance,
+    checkpoint_dit_config,
+    load_dit,
+    mlp_ratio_for,
+    model_config,
+    prune,
+    prune_depth,
+    prune_heads,
+    prune_mlp,
+    save_pruned,
+    select_blocks,
+)
+from dit_lightning.module import DiTModule
+
+from .conftest import tiny_dit_kwargs
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Models of a few thousand parameters gain nothing from a second thread, and on a shared
+    machine the threads' spin-waits made steps 10-20x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def randomized(**overrides) -> DiT:
+    """A tiny DiT whose zero-initialised layers (adaLN, output) have values, in eval mode."""
+    model = DiT(**tiny_dit_kwargs(depth=3, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name != "pos_embed":
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def inputs(n: int = 4):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(n, 4, 8, 8, generator=g), torch.tensor([0, 10, 500, 999])[:n], torch.tensor([1, 2, 10, 7])[:n]
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_keeping_everything_is_the_identity():
+    model = randomized()
+    x, t, y = inputs()
+    ref = model(x, t, y)
+    for pruned in (prune_depth(model, [0, 1, 2]), prune_mlp(model, keep_ratio=1.0), prune_heads(model, 4)):
+        assert torch.equal(pruned(x, t, y), ref)
+        assert n_params(pruned) == n_params(model) == dit_params(DiTShape.of(pruned))
+
+
+def test_pruned_shapes_and_parameter_counts():
+    model = randomized()
+    shallow = prune_depth(model, 2, scores=torch.tensor([0.3, -0.1, 0.2]))
+    assert len(shallow.blocks) == shallow.depth == 2
+    assert n_params(shallow) == dit_params(DiTShape(**{**vars(DiTShape.of(model)), "depth": 2}))
+
+    narrow = prune_mlp(model, keep_channels=50)
+    assert narrow.blocks[1].mlp.fc1.weight.shape == (50, 32) and narrow.blocks[1].mlp.fc2.weight.shape == (32, 50)
+    assert int(narrow.hidden_size * narrow.mlp_ratio) == 50
+    assert n_params(narrow) == dit_params(DiTShape.of(narrow)) < n_params(model)
+    assert not any(n.endswith("mask") for n, _ in narrow.named_buffers())
+
+    few_heads = prune_heads(model, 2)  # head_dim 8 stays: attention width 16, residual 32
+    attn = few_heads.blocks[0].attn
+    assert (attn.num_heads, attn.head_dim) == (2, 8)
+    assert attn.qkv.weight.shape == (48, 32) and attn.proj.weight.shape == (32, 16)
+    removed_per_block = 3 * 16 * (32 + 1) + 32 * 16  # qkv rows (weights + bias), proj columns
+    assert n_params(few_heads) == n_params(model) - 3 * removed_per_block
+    assert few_heads(*inputs()).shape == (4, 8, 8, 8)
+
+
+def test_depth_pruning_equals_running_the_kept_blocks_only():
+    model = randomized()
+    x, t, y = inputs()
+    handle = model.blocks[1].register_forward_hook(lambda _m, args, _out: args[0])
+    try:
+        expected = model(x, t, y)
+    finally:
+        handle.remove()
+    pruned = prune_depth(model, [0, 2])
+    assert torch.equal(pruned(x, t, y), expected)
+    assert not torch.allclose(model(x, t, y), expected)
+
+
+def test_channels_and_heads_without_output_weights_are_pruned_first_and_change_nothing():
+    model = randomized()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp.fc2.weight[:, 7:47] = 0  # 40 of 128 channels reach nothing
+            block.attn.proj.weight[:, 8:16] = 0  # head 1 reaches nothing
+    x, t, y = inputs()
+    ref = model(x, t, y)
+    narrow = prune_mlp(model, keep_channels=88)
+    assert narrow.blocks[0].mlp.fc1.weight.shape[0] == 88
+    torch.testing.assert_close(narrow(x, t, y), ref, rtol=1e-5, atol=1e-5)
+    few_heads = prune_heads(model, 3)
+    torch.testing.assert_close(few_heads(x, t, y), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_block_importance_scores_an_identity_block_zero_and_selection_drops_the_weakest():
+    model = randomized()
+    with torch.no_grad():
+        model.blocks[1].adaLN_modulation[-1].weight.zero_()
+        model.blocks[1].adaLN_modulation[-1].bias.zero_()  # gates 0: the block is the identity
+    batch = {"x": torch.randn(6, 4, 8, 8), "y": torch.randint(0, 10, (6,))}
+    scores = block_importance(model, create_diffusion(""), batch, draws=2)
+    assert scores.shape == (3,) and scores[1] == 0
+    assert select_blocks(3, 2, torch.tensor([0.5, 0.0, 0.2])) == [0, 2]
+    assert select_blocks(6, 3) == [0, 2, 5]  # evenly spaced without scores
+    with pytest.raises(ValueError, match="distinct"):
+        select_blocks(3, [0, 0])
+
+
+def test_mlp_ratio_recovers_the_channel_count_exactly():
+    assert int(56 * (61 / 56)) == 60  # the plain ratio loses a channel
+    assert int(56 * mlp_ratio_for(56, 61)) == 61
+    model = randomized(hidden_size=56, num_heads=4)
+    pruned = prune_depth(prune_mlp(model, keep_channels=61), 2)  # the rebuild keeps 61 channels
+    assert pruned.blocks[0].mlp.fc1.out_features == 61
+
+
+def test_pruned_file_saves_and_loads_as_a_dit_of_its_new_shape(tmp_path):
+    model = randomized()
+    pruned = prune_mlp(prune_depth(model, [0, 2]), keep_ratio=0.5)
+    path = save_pruned(pruned, tmp_path / "pruned.pt", ema=pruned)
+    ckpt = read_checkpoint(path)
+    inferred = infer_dit_config(ckpt["model"])
+    assert (inferred["depth"], inferred["mlp_ratio"]) == (2, 2.0)
+    assert checkpoint_dit_config(ckpt) == {**model_config(pruned)}
+    loaded, _ = load_dit(str(path))
+    x, t, y = inputs()
+    assert torch.equal(loaded(x, t, y), pruned(x, t, y))
+    # ... and DiTModule fine-tunes it through init_from, configured with the new shape.
+    module = DiTModule(
+        model="custom", latent_shape=(4, 8, 8), num_classes=10, depth=2, hidden_size=32, num_heads=4, mlp_ratio=2.0, init_from=str(path)
+    ).eval()
+    assert torch.equal(module.model(x, t, y), pruned(x, t, y))
+
+
+def test_prune_tool_with_calibration(tmp_path):
+    from dit_lightning.data import prepare_digits
+
+    store = prepare_digits(str(tmp_path / "digits"))
+    model = randomized(in_channels=1)
+    src = save_pruned(model, tmp_path / "full.pt", ema=model, extra_args={"num_heads": 4})
+    out = prune(src, str(tmp_path / "small.pt"), depth=2, mlp_ratio=1.0, calibration=store, calibration_size=16, calibration_draws=1)
+    ckpt = read_checkpoint(out)
+    report = ckpt["args"]["pruning"]
+    assert len(report["block_importance"]) == 3 and len(report["kept_blocks"]) == 2
+    assert report["params_after"] < report["params_before"]
+    small, _ = load_dit(out)
+    assert (small.depth, small.blocks[0].mlp.fc1.out_features, small.num_heads) == (2, 32, 4)
+
+
+def test_head_pruned_file_fine_tunes_through_init_from(tmp_path):
+    model = randomized()
+    src = save_pruned(model, tmp_path / "full.pt", ema=model)
+    out = prune(src, str(tmp_path / "small.pt"), heads=2)
+    small, _ = load_dit(out)
+    assert (small.num_heads, small.blocks[0].attn.head_dim) == (2, 8)
+    assert sum(p.numel() for p in small.parameters()) == dit_params(DiTShape.of(small))
+    module = DiTModule(
+        model="custom", latent_shape=(4, 8, 8), num_classes=10, depth=3, hidden_size=32, num_heads=2, attn_dim=16, init_from=out
+    ).eval()
+    x, t, y = inputs()
+    assert torch.equal(module.model(x, t, y), small(x, t, y))
