@@ -1,5 +1,6 @@
 # The two commands a fresh machine needs (see README):
-#   make demo   install, prepare the bundled digits store, train the demo DiT, write the sample grid
+#   make demo   install, prepare the bundled digits store, train the demo DiT, write the sample grid,
+#               then test it: held-out loss and how many generated digits a classifier recognises
 #   make test   install with the test extras and run the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +18,7 @@ install: $(BIN)/dit-lightning
 
 demo: install
 	$(BIN)/dit-lightning fit --config configs/demo.yaml
-	$(BIN)/python -m dit_lightning.evaluation.digits --checkpoint outputs/demo/checkpoints/last.ckpt
+	$(BIN)/dit-lightning test --config configs/demo.yaml --ckpt_path outputs/demo/checkpoints/last.ckpt
 
 test: install
 	$(BIN)/python -m pytest -q

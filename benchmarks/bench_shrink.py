@@ -90,31 +90,14 @@ def train_teacher(workdir: str, dm, steps: int) -> str:
 
 def make_module(cfg: dict[str, Any], dm, init_from: Optional[str] = None, teacher: Optional[str] = None, lr: float = 3e-4, **kw):
     """A (Distillation)Module of architecture ``cfg`` (a ``model_config``) for the digits."""
-    import copy
-
     from dit_lightning.distill import DistillationModule
-    from dit_lightning.models.pruning import dit_supports_attn_dim, load_dit
 
-    arch = {k: cfg[k] for k in ("depth", "hidden_size", "num_heads", "patch_size", "mlp_ratio")}
-    # Head-pruned models need DiT(attn_dim=...); until DiT has it, build the module at the
-    # original attention width and put the head-pruned networks in (benchmark only).
-    native = not cfg.get("attn_dim") or dit_supports_attn_dim()
-    if cfg.get("attn_dim") and native:
-        arch["attn_dim"] = cfg["attn_dim"]
-    if not native:
-        arch["num_heads"] = cfg["hidden_size"] * cfg["num_heads"] // cfg["attn_dim"]  # same head size
+    arch = {k: cfg[k] for k in ("depth", "hidden_size", "num_heads", "patch_size", "mlp_ratio", "attn_dim") if cfg.get(k) is not None}
     opt = lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.0)  # noqa: E731
     module = DistillationModule(
         teacher=teacher, model="custom", latent_shape=dm.latent_shape, num_classes=dm.num_classes, vae=dm.spec.vae,
-        init_from=init_from if native else None, optimizer=opt, cfg_scale=2.0, sample_steps=100, **arch, **kw,
+        init_from=init_from, optimizer=opt, cfg_scale=2.0, sample_steps=100, **arch, **kw,
     )
-    if not native:
-        net = load_dit(init_from)[0].train() if init_from else None
-        if net is None:
-            raise ValueError("a head-pruned module needs its weights file")
-        net.requires_grad_(True).pos_embed.requires_grad_(False)
-        module.model = net
-        module.ema = copy.deepcopy(net).requires_grad_(False).eval()
     return module
 
 
@@ -271,7 +254,7 @@ def main() -> None:
 
     from dit_lightning.diffusion import create_diffusion
     from dit_lightning.models import DiTShape, dit_macs
-    from dit_lightning.models.pruning import dit_supports_attn_dim, load_dit, model_config, prune, prune_heads, save_pruned
+    from dit_lightning.models.pruning import load_dit, model_config, prune, save_pruned
 
     os.makedirs(args.workdir, exist_ok=True)
     store, dm = digits_data(args.workdir, args.batch_size)
@@ -298,19 +281,12 @@ def main() -> None:
     files["depth 6->3"] = prune(teacher, os.path.join(W, "depth3.pt"), depth=3, calibration=calib, calibration_draws=2)
     files["mlp 4.0->2.0"] = prune(teacher, os.path.join(W, "mlp2.pt"), mlp_ratio=2.0)
     files["depth 3 + mlp 2.0"] = prune(teacher, os.path.join(W, "depth3-mlp2.pt"), depth=3, mlp_ratio=2.0, calibration=calib, calibration_draws=2)
-    heads_note = ""
-    if dit_supports_attn_dim():
-        files["heads 4->2"] = prune(teacher, os.path.join(W, "heads2.pt"), heads=2)
-    else:  # in memory only (loaded by load_dit); flops.py cannot count it yet
-        few_heads = prune_heads(base_net, 2)
-        files["heads 4->2"] = save_pruned(few_heads, os.path.join(W, "heads2.pt"), ema=few_heads)
-        heads_note = "heads 4->2: DiT cannot build it natively yet (needs attn_dim), so it is not fine-tuned and has no GMACs here."
+    files["heads 4->2"] = prune(teacher, os.path.join(W, "heads2.pt"), heads=2)
 
     rows: dict[str, dict[str, Any]] = {}
     for name, f in files.items():
         net, _ = load_dit(f)
         cfg = model_config(net)
-        shape_ok = "attn_dim" not in cfg or "attn_dim" in DiTShape.__dataclass_fields__
         rows[name] = {
             "config": name,
             "depth": cfg["depth"],
@@ -318,7 +294,7 @@ def main() -> None:
             "heads": cfg["num_heads"],
             "mlp_ratio": round(cfg["mlp_ratio"], 3),
             "params_M": sum(p.numel() for p in net.parameters()) / 1e6,
-            "GMACs": dit_macs(DiTShape.of(net)) / 1e9 if shape_ok else None,
+            "GMACs": dit_macs(DiTShape.of(net)) / 1e9,
         }
         q = quality(net, val_batch, diffusion, module_for(net, dm, f), args.per_class, args.sample_steps)
         rows[name].update(val_loss_pruned=q["val_loss"], acc_pruned=q.get("accuracy"))
@@ -396,7 +372,7 @@ def main() -> None:
     )
     base_rss = base["start_MiB"] if base["reset"] else base_rss
 
-    write_report(list(rows.values()), args, teacher, base_rss, heads_note)
+    write_report(list(rows.values()), args, teacher, base_rss)
 
 
 COLUMNS = [
@@ -416,7 +392,7 @@ COLUMNS = [
 ]
 
 
-def write_report(rows: list[dict[str, Any]], args, teacher: str, base_rss: float, note: str) -> None:
+def write_report(rows: list[dict[str, Any]], args, teacher: str, base_rss: float) -> None:
     def fmt(row: dict[str, Any], key: str, f: str) -> str:
         v = row.get(key)
         if v is None:
@@ -448,7 +424,6 @@ def write_report(rows: list[dict[str, Any]], args, teacher: str, base_rss: float
 - digits acc: {args.per_class} samples per class, {args.sample_steps} DDPM steps, cfg 2.0, classified by an SVC
   trained on real digits. Pruned rows are fine-tuned with distillation from the teacher (alpha 1/1/1)
   unless marked "plain".
-{('- ' + note) if note else ''}
 {('- ' + args.note) if args.note else ''}
 
 {table}

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from .callbacks.config_logger import TensorBoardConfigLogger
+from .callbacks.generation import GenerationMetrics
 from .checkpoint_io import AtomicCheckpointIO
 from .data import LatentDataModule
 from .module import DiTModule
@@ -42,6 +43,9 @@ class DiTCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 1000})
         parser.add_lightning_class_args(RichProgressBar, "progress_bar")
+        # What `test` measures besides the held-out loss: FID / IS / KID or the digits metrics of
+        # freshly sampled images (`evaluation.metrics`; off while the list is empty).
+        parser.add_lightning_class_args(GenerationMetrics, "evaluation")
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         # Atomic checkpoint writes unless the user configured their own CheckpointIO plugin.

@@ -1,4 +1,5 @@
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -101,7 +102,7 @@ def test_every_config_parses_on_top_of_the_demo(config, capsys):
     assert e.value.code == 0, capsys.readouterr().err
 
 
-def test_predict_writes_class_conditional_pngs_from_a_checkpoint(tmp_path):
+def test_predict_and_test_from_a_checkpoint(tmp_path):
     run_cli(fit_args(tmp_path, "run", 2), tmp_path)
     ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
     out = tmp_path / "pred"
@@ -115,6 +116,19 @@ def test_predict_writes_class_conditional_pngs_from_a_checkpoint(tmp_path):
         tmp_path,
     )
     assert sorted(p.name for p in out.glob("*.png")) == ["000000-c3.png", "000001-c7.png", "000002-c3.png", "000003-c7.png"]
+    # `test`: the held-out loss and the demo config's `evaluation` section (digits metrics)
+    metrics = tmp_path / "test_metrics.json"
+    proc = run_cli(
+        [
+            "test", "--config", DEMO, *TINY, "--data.path", str(tmp_path / "digits"), "--trainer.logger", "false",
+            "--evaluation.num_samples", "20", "--evaluation.num_steps", "3", "--evaluation.output", str(metrics),
+            "--ckpt_path", str(ckpt),
+        ],
+        tmp_path,
+    )
+    assert "test/loss" in proc.stdout and "test/digits_accuracy" in proc.stdout and "test/digits_fd_svc" in proc.stdout
+    saved = json.loads(metrics.read_text())
+    assert saved["digits"]["samples"] == 20 and saved["checkpoint"] == str(ckpt) and saved["sampling"]["cfg_scale"] == 2.0
 
 
 def test_tool_commands_have_help():

@@ -11,14 +11,7 @@ TINY = dict(model="custom", latent_shape=(1, 8, 8), num_classes=10, depth=2, hid
 SMALL = {**TINY, "hidden_size": 16, "num_heads": 2}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Models of a few thousand parameters gain nothing from a second thread, and on a shared
-    machine the threads' spin-waits made steps 10-20x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class DictDataset(Dataset):

@@ -175,6 +175,34 @@ def test_every_trainable_parameter_gets_a_gradient(store):
     assert trainable and not missing
 
 
+def _digits_of_keyed_samples(store: str, ema: dict[str, torch.Tensor]) -> dict:
+    """The digits metrics of samples 0..GENERATED-1 of these EMA weights, made in one process."""
+    import numpy as np
+
+    from dit_lightning.evaluation.digits import digits_metrics, pixels_to_features
+    from dit_lightning.sampling import parse_labels, to_uint8
+
+    module, _ = parity.build(store)
+    module.ema.load_state_dict(ema)
+    labels = parse_labels("0-9", 10)(np.arange(parity.GENERATED))
+    images = to_uint8(module.decode(module.sample(labels, indices=torch.arange(parity.GENERATED), seed=0)))
+    pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255 * 2 - 1
+    return digits_metrics(pixels_to_features(pixels), labels.numpy())
+
+
+@pytest.mark.parametrize("run", ["ddp", "fsdp2"])
+def test_test_generation_metrics_over_two_ranks_equal_one_process(runs, run):
+    """`test` samples its share on each rank (under FSDP2 a collective: equal batch counts),
+    gathers the features in sample order and measures them as one process would."""
+    got = runs[run]["generation"]
+    want = _digits_of_keyed_samples(runs["store"], runs[run]["ema"])
+    assert got["details"]["num_samples"] == parity.GENERATED and got["details"]["digits"]["samples"] == parity.GENERATED
+    assert got["details"]["digits"]["per_class"] == want["per_class"]
+    assert got["logged"]["test/digits_accuracy"] == pytest.approx(want["accuracy"])
+    assert got["logged"]["test/digits_fd_pixels"] == pytest.approx(want["frechet"]["fd_pixels"], rel=1e-4)
+    assert got["logged"]["test/loss"] > 0
+
+
 # ---- FSDP2 -----------------------------------------------------------------------------
 
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from dit_lightning.evaluation.fid import (
     INCEPTION_WEIGHTS_URL,
@@ -22,30 +21,10 @@ from dit_lightning.evaluation.fid import (
     image_batches,
     reference_stats,
 )
+from tests.tiny_features import TinyFeatures
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: a second, spin-waiting thread only slows a busy machine
-    yield
-    torch.set_num_threads(n)
-
-
-class TinyFeatures(nn.Module):
-    """uint8 (N, 3, H, W) -> (N, 32): a fixed random conv, tanh, 2x2 average pooling."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.conv = nn.Conv2d(3, 8, 3, stride=2)
-        with torch.no_grad():
-            self.conv.weight.copy_(torch.randn(self.conv.weight.shape, generator=g))
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        return F.adaptive_avg_pool2d(torch.tanh(self.conv(x.float() / 255 - 0.5)), 2).flatten(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def smooth_images(n=80, size=16, seed=0):

@@ -22,14 +22,7 @@ from dit_lightning.module import DiTModule
 from .conftest import tiny_dit_kwargs
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Models of a few thousand parameters gain nothing from a second thread, and on a shared
-    machine the threads' spin-waits made steps 10-20x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def randomized(**overrides) -> DiT:

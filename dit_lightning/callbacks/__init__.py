@@ -1,8 +1,9 @@
-"""Lightning callbacks: sample grids, throughput/MFU, memory, and the TensorBoard config logger."""
+"""Lightning callbacks: sample grids, generation metrics (FID...), throughput/MFU, memory, and the TensorBoard config logger."""
 
 from .config_logger import TensorBoardConfigLogger
+from .generation import GenerationMetrics
 from .memory import GPUMemoryMonitor
 from .samples import PredictionWriter, SampleGrid
 from .throughput import DiTThroughputMonitor
 
-__all__ = ["DiTThroughputMonitor", "GPUMemoryMonitor", "PredictionWriter", "SampleGrid", "TensorBoardConfigLogger"]
+__all__ = ["DiTThroughputMonitor", "GenerationMetrics", "GPUMemoryMonitor", "PredictionWriter", "SampleGrid", "TensorBoardConfigLogger"]

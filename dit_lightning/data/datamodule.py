@@ -589,6 +589,20 @@ class LatentDataModule(L.LightningDataModule):
         self._ensure_setup()
         if self.val_indices is None or len(self.val_indices) == 0:
             return []
+        return self._held_out_loader()
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split (the store has one: ``val_size``), for ``dit-lightning test``'s loss;
+        the generation metrics (FID, digits accuracy) come from ``GenerationMetrics``."""
+        self._ensure_setup()
+        if self.val_indices is None or len(self.val_indices) == 0:
+            raise ValueError(
+                "`test` measures the held-out split, and this data module holds none out: set data.val_size "
+                "(e.g. --data.val_size 1000, the same split as validation) and test again"
+            )
+        return self._held_out_loader()
+
+    def _held_out_loader(self) -> DataLoader:
         sampler = LatentBatchSampler(
             self.val_indices,
             self.val_batch_size or self.micro_batch_size,

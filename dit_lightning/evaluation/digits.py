@@ -6,14 +6,13 @@ reported. Quality beyond recognisability is an FID-like number computed offline 
 the Fréchet distance between Gaussians fitted to real and generated digits, in the raw 64-d
 pixel space and in the SVC's 10-d decision-function space, next to the same distance between
 two disjoint sets of *real* digits of the same size (the finite-sample floor a perfect model
-would reach). ``python -m dit_lightning.evaluation.digits --checkpoint outputs/demo/checkpoints/last.ckpt``
+would reach). ``dit-lightning test --config configs/demo.yaml --ckpt_path outputs/demo/checkpoints/last.ckpt``
+reports them (``GenerationMetrics`` with ``metrics: [digits]``); ``dit-lightning evaluate --metrics
+'[digits]'`` measures a sample folder.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -121,34 +120,3 @@ def digits_accuracy(
     result["cfg_scale"] = module.hparams.cfg_scale if cfg_scale is None else cfg_scale
     return result
 
-
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    from ..module import DiTModule
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--per_class", type=int, default=50)
-    parser.add_argument("--num_steps", type=int, default=100)
-    parser.add_argument("--cfg_scale", type=float, default=None)
-    parser.add_argument("--output", default=None, help="JSON file (default: next to the checkpoint's run)")
-    args = parser.parse_args(argv)
-    module = DiTModule.load_from_checkpoint(args.checkpoint, map_location="cpu", weights_only=True)
-    result = digits_accuracy(module, per_class=args.per_class, num_steps=args.num_steps, cfg_scale=args.cfg_scale)
-    print(f"classifier on real held-out digits: {result['classifier_accuracy_on_real_heldout']:.1%}")
-    print("generated digits recognised as the requested class:")
-    print("  " + "  ".join(f"{c}:{a:.0%}" for c, a in result["per_class"].items()))
-    print(f"  overall {result['accuracy']:.1%} of {result['samples']} samples")
-    fr = result["frechet"]
-    print(
-        f"Fréchet distance to real digits: pixels {fr['fd_pixels']:.3f} (real vs real {fr['fd_pixels_real_baseline']:.3f}), "
-        f"SVC space {fr['fd_svc']:.3f} (real vs real {fr['fd_svc_real_baseline']:.3f})"
-    )
-    out = Path(args.output) if args.output else Path(args.checkpoint).parent.parent / "digits_eval.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"written to {out}")
-    return result
-
-
-if __name__ == "__main__":
-    main()

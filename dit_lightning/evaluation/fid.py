@@ -381,6 +381,75 @@ def _fid_with_reference(dim: int, ref: FeatureStats) -> Any:
     return metric
 
 
+IMAGE_METRICS = ("fid", "is", "kid")
+
+
+def check_metrics(metrics: Sequence[str], reference: Optional[Source], feature_extractor: Optional[nn.Module] = None) -> list[str]:
+    """The requested image metrics, lower-cased; a clear error for what cannot be computed."""
+    wanted = [m.lower() for m in metrics]
+    unknown = set(wanted) - set(IMAGE_METRICS)
+    if unknown:
+        raise ValueError(f"unknown metrics {sorted(unknown)}: choose from {', '.join(IMAGE_METRICS)}")
+    if ("fid" in wanted or "kid" in wanted) and reference is None:
+        raise ValueError("FID and KID need a reference (image folder, store, .npz of images or of mu/sigma)")
+    if "is" in wanted and feature_extractor is not None:
+        raise ValueError("IS needs the Inception classifier's logits: leave feature_extractor unset")
+    return wanted
+
+
+def build_extractor(
+    metrics: Sequence[str], inception_weights: Optional[str] = None, feature_extractor: Optional[nn.Module] = None,
+    antialias: bool = False,
+) -> tuple[nn.Module, Optional[int]]:
+    """The feature extractor for ``metrics`` and how many leading columns FID/KID use
+    (Inception's 2048 pool features; None: all columns of a custom extractor)."""
+    if feature_extractor is not None:
+        return feature_extractor, None
+    return InceptionFeatures(inception_weights, logits="is" in metrics, antialias=antialias), 2048
+
+
+def metrics_from_features(
+    fake: np.ndarray, metrics: Sequence[str], ref: Optional[FeatureStats] = None, dim: Optional[int] = None,
+    kid_subset_size: int = 1000,
+) -> dict[str, float]:
+    """FID / KID (against ``ref``) and IS of generated features (N, D) through torchmetrics.
+
+    ``dim``: the columns FID/KID use (default all); IS reads Inception's logits after column 2048.
+    """
+    if len(fake) < 2:
+        raise ValueError(f"metrics need at least 2 generated images, got {len(fake)}")
+    dim = dim or fake.shape[1]
+    fake_t = torch.from_numpy(np.asarray(fake)).double()
+    result: dict[str, float] = {}
+    if ref is not None and "fid" in metrics:
+        metric = _fid_with_reference(dim, ref)
+        metric.update(fake_t, real=False)
+        result["fid"] = float(metric.compute())
+    if ref is not None and "kid" in metrics:
+        from torchmetrics.image.kid import KernelInceptionDistance
+
+        if ref.features is None:
+            raise ValueError("KID needs reference images (not a mu/sigma file)")
+        size = min(kid_subset_size, len(fake), len(ref.features))
+        with warnings.catch_warnings():  # "saves all features": we hand it features, not images
+            warnings.filterwarnings("ignore", message=".*will save all extracted features")
+            kid = KernelInceptionDistance(feature=_Columns(0, dim), subset_size=size)
+        kid.update(torch.from_numpy(ref.features).double(), real=True)
+        kid.update(fake_t[:, :dim], real=False)
+        mean, std = kid.compute()
+        result["kid"], result["kid_std"] = float(mean), float(std)
+    if "is" in metrics:
+        from torchmetrics.image.inception import InceptionScore
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*will save all extracted features")
+            score = InceptionScore(feature=_Columns(2048, 2048 + 1008))
+        score.update(fake_t.float())
+        mean, std = score.compute()
+        result["is"], result["is_std"] = float(mean), float(std)
+    return result
+
+
 def compute_metrics(
     samples: Source,
     reference: Optional[Source] = None,
@@ -401,59 +470,22 @@ def compute_metrics(
     ``metrics``: any of "fid", "is", "kid" ("is" needs no reference; "is" needs Inception).
     ``feature_extractor``: an ``nn.Module`` used instead of Inception (uint8 (N,3,H,W) -> (N,D)).
     """
-    wanted = [m.lower() for m in metrics]
-    unknown = set(wanted) - {"fid", "is", "kid"}
-    if unknown:
-        raise ValueError(f"unknown metrics {sorted(unknown)}: choose from fid, is, kid")
-    if ("fid" in wanted or "kid" in wanted) and reference is None:
-        raise ValueError("FID and KID need a reference (image folder, store, .npz of images or of mu/sigma)")
-    if feature_extractor is None:
-        extractor: nn.Module = InceptionFeatures(inception_weights, logits="is" in wanted, antialias=antialias)
-        dim = 2048
-    else:
-        if "is" in wanted:
-            raise ValueError("IS needs the Inception classifier's logits: leave feature_extractor unset")
-        extractor = feature_extractor
-        dim = None
+    wanted = check_metrics(metrics, reference, feature_extractor)
+    extractor, dim = build_extractor(wanted, inception_weights, feature_extractor, antialias)
     extractor = extractor.to(device).eval()
     fake = extract_features(extractor, image_batches(samples, batch_size, image_size, max_samples, device), device)
     if len(fake) < 2:
         raise ValueError(f"{samples} has fewer than 2 images")
     dim = dim or fake.shape[1]
-    fake_t = torch.from_numpy(fake).double()
     result: dict[str, Any] = {"num_samples": int(len(fake)), "feature_extractor": extractor_identity(extractor)}
+    ref = None
     if reference is not None and ("fid" in wanted or "kid" in wanted):
         ref = reference_stats(
             reference, extractor, cache_dir, batch_size, image_size, max_reference,
             keep_features="kid" in wanted, device=device, dim=dim,
         )  # fmt: skip
         result["num_reference"] = int(ref.num_samples)
-        if "fid" in wanted:
-            metric = _fid_with_reference(dim, ref)
-            metric.update(fake_t, real=False)
-            result["fid"] = float(metric.compute())
-        if "kid" in wanted:
-            from torchmetrics.image.kid import KernelInceptionDistance
-
-            if ref.features is None:
-                raise ValueError("KID needs reference images (not a mu/sigma file)")
-            size = min(kid_subset_size, len(fake), len(ref.features))
-            with warnings.catch_warnings():  # "saves all features": we hand it features, not images
-                warnings.filterwarnings("ignore", message=".*will save all extracted features")
-                kid = KernelInceptionDistance(feature=_Columns(0, dim), subset_size=size)
-            kid.update(torch.from_numpy(ref.features).double(), real=True)
-            kid.update(fake_t[:, :dim], real=False)
-            mean, std = kid.compute()
-            result["kid"], result["kid_std"] = float(mean), float(std)
-    if "is" in wanted:
-        from torchmetrics.image.inception import InceptionScore
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*will save all extracted features")
-            score = InceptionScore(feature=_Columns(2048, 2048 + 1008))
-        score.update(fake_t.float())
-        mean, std = score.compute()
-        result["is"], result["is_std"] = float(mean), float(std)
+    result.update(metrics_from_features(fake, wanted, ref, dim, kid_subset_size))
     return result
 
 

@@ -24,17 +24,15 @@ Pure PyTorch (no Lightning). The ``prune`` function is the ``dit-lightning prune
 from __future__ import annotations
 
 import datetime
-import inspect
 import math
 from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checkpoint import StateDict, atomic_torch_save, infer_dit_config, read_checkpoint, to_reference_format
-from .dit import Attention, DiT, dit_config
+from .dit import DiT, dit_config
 
 Criterion = Literal["l1", "l2"]
 
@@ -59,11 +57,6 @@ _ARCH_KEYS = (
 # --------------------------------------------------------------------------------------
 
 
-def dit_supports_attn_dim() -> bool:
-    """Whether :class:`DiT` takes ``attn_dim`` (an attention width other than ``hidden_size``)."""
-    return "attn_dim" in inspect.signature(DiT.__init__).parameters
-
-
 def model_config(model: DiT) -> dict[str, Any]:
     """The constructor arguments that rebuild ``model``'s architecture (``attn_dim``, the width
     of q/k/v, only when it differs from ``hidden_size``, i.e. after head pruning)."""
@@ -86,54 +79,11 @@ def model_config(model: DiT) -> dict[str, Any]:
     return cfg
 
 
-class HeadPrunedAttention(Attention):
-    """Attention whose width ``attn_dim`` (``num_heads * head_dim``) differs from the residual
-    width ``dim``.
-
-    Only needed until :class:`DiT` takes ``attn_dim`` itself (see docs/shrinking.md); the
-    parameter names are those of :class:`Attention`, so state dicts are interchangeable.
-    """
-
-    def __init__(self, dim: int, num_heads: int, attn_dim: int, qk_norm: bool = False) -> None:
-        nn.Module.__init__(self)
-        if attn_dim % num_heads:
-            raise ValueError(f"attention width {attn_dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = attn_dim // num_heads
-        self.qkv = nn.Linear(dim, attn_dim * 3, bias=True)
-        self.q_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.proj = nn.Linear(attn_dim, dim, bias=True)
-
-    def forward(self, x: Tensor) -> Tensor:
-        n, t, _ = x.shape
-        qkv = self.qkv(x).reshape(n, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        x = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(x.transpose(1, 2).reshape(n, t, self.num_heads * self.head_dim))
-
-
 def build_from_config(cfg: dict[str, Any], device: Any = None, dtype: Optional[torch.dtype] = None) -> DiT:
-    """A freshly initialised DiT of configuration ``cfg`` (as :func:`model_config` returns),
-    ``attn_dim`` included even while DiT itself does not take it (then through
-    :class:`HeadPrunedAttention`)."""
-    cfg = dict(cfg)
-    attn_dim = cfg.pop("attn_dim", None)
-    cfg = {k: v for k, v in cfg.items() if k in _ARCH_KEYS or k == "activation_checkpointing"}
-    native = attn_dim is not None and dit_supports_attn_dim()
-    if native:
-        cfg["attn_dim"] = attn_dim
-    swap = attn_dim is not None and not native and attn_dim != cfg["hidden_size"]
-    heads = cfg["num_heads"]
-    if swap:  # DiT checks hidden % heads: build with one head, then put the real attention in
-        cfg["num_heads"] = 1
-    model = DiT(**cfg)
-    if swap:
-        model.num_heads = heads
-        for block in model.blocks:
-            block.attn = HeadPrunedAttention(cfg["hidden_size"], heads, attn_dim, qk_norm=cfg.get("qk_norm", False))
-    return model.to(device=device, dtype=dtype)
+    """A freshly initialised DiT of configuration ``cfg`` (as :func:`model_config` returns,
+    ``attn_dim`` of head-pruned models included)."""
+    cfg = {k: v for k, v in cfg.items() if k in _ARCH_KEYS or k in ("activation_checkpointing", "attn_dim")}
+    return DiT(**cfg).to(device=device, dtype=dtype)
 
 
 def _rebuild(model: DiT, cfg: dict[str, Any], sd: StateDict) -> DiT:
@@ -537,12 +487,6 @@ def prune(
     from .flops import DiTShape, dit_macs
 
     model, ckpt = load_dit(checkpoint, weights=weights)
-    if heads is not None and heads < model.num_heads and not dit_supports_attn_dim():
-        raise ValueError(
-            "head pruning writes a DiT whose attention width differs from hidden_size, which DiT "
-            "cannot build yet (it needs the attn_dim argument described in docs/shrinking.md); "
-            "prune depth and MLP channels, or apply that change first"
-        )
     args = ckpt.get("args") or {}
     diffusion = create_diffusion(
         "",
@@ -584,8 +528,7 @@ def prune(
         params_before=params_before,
         params_after=sum(p.numel() for p in model.parameters()),
         gmacs_before=macs_before / 1e9,
-        # flops.py counts an attention narrower than hidden_size only once DiTShape has attn_dim.
-        gmacs_after=dit_macs(DiTShape.of(model)) / 1e9 if "attn_dim" not in model_config(model) or "attn_dim" in DiTShape.__dataclass_fields__ else None,
+        gmacs_after=dit_macs(DiTShape.of(model)) / 1e9,
     )
     carry = {k: args[k] for k in ("noise_schedule", "diffusion_steps", "learn_sigma") if k in args}
     save_pruned(model, output, ema=model, extra_args={**carry, "pruning": report})

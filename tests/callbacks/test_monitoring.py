@@ -46,13 +46,7 @@ CUDA_MEMORY_TAGS = [
 CPU_TAGS = THROUGHPUT_TAGS + MFU_TAGS + CPU_MEMORY_TAGS  # MFU with a user-given peak on CPU
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine: a second intra-op thread only adds contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Latents(Dataset):

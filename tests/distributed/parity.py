@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
+from dit_lightning.callbacks import GenerationMetrics  # noqa: E402
 from dit_lightning.checkpoint_io import AtomicCheckpointIO  # noqa: E402
 from dit_lightning.data import LatentDataModule  # noqa: E402
 from dit_lightning.distributed import DiTDDPStrategy, DiTFSDP2Strategy, full_state_dict, is_fsdp2  # noqa: E402
@@ -43,6 +44,15 @@ GLOBAL_BATCH = 16
 STEPS = 4
 CKPT_STEP = 2  # the sharded run saves here; the resumed run starts from it
 CLIP = 0.05  # small enough that every step clips
+GENERATED = 21  # samples `test` measures: odd, so the ranks' shares differ and padding is exercised
+
+
+def test_generation(trainer_: L.Trainer, module: DiTModule, dm: LatentDataModule) -> dict[str, Any]:
+    """`test` with the digits metrics of GENERATED keyed samples, sampled over all ranks."""
+    metrics = GenerationMetrics(metrics=["digits"], num_samples=GENERATED, labels="0-9", batch_size=4)
+    trainer_.callbacks.append(metrics)
+    logged_ = trainer_.test(module, dm, verbose=False)[0]
+    return {"logged": logged_, "details": metrics.last}
 
 
 def adamw(params):
@@ -138,7 +148,9 @@ def run_ddp(args: argparse.Namespace, name: str = "ddp", accumulate: int = 1, st
     strategy = DiTDDPStrategy(static_graph=static_graph, process_group_backend="gloo")
     t = trainer(args.out, name, strategy, args.devices, args.num_nodes, accumulate_grad_batches=accumulate)
     t.fit(module, dm)
-    dump(t, module, args.out, name, static_graph=t.strategy._ddp_kwargs["static_graph"], micro_batch=dm.micro_batch_size)
+    generation = test_generation(t, module, dm) if name == "ddp" else None
+    dump(t, module, args.out, name, static_graph=t.strategy._ddp_kwargs["static_graph"], micro_batch=dm.micro_batch_size,
+         generation=generation)
 
 
 def run_ddp_accum(args: argparse.Namespace) -> None:
@@ -156,9 +168,10 @@ def _fsdp2(args: argparse.Namespace, name: str, ckpt_path: Optional[str] = None,
     kw = {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm"} if clip else {}
     t = trainer(args.out, name, strategy, args.devices, args.num_nodes, callbacks=callbacks, **kw)
     t.fit(module, dm, ckpt_path=ckpt_path)
+    generation = test_generation(t, module, dm) if name == "fsdp2" else None  # sampling is a collective here
     p = next(module.model.parameters())
     dump(t, module, args.out, name, param_dtype=str(p.dtype), placements=str(getattr(p, "placements", None)),
-         mesh=str(getattr(p, "device_mesh", None)))
+         mesh=str(getattr(p, "device_mesh", None)), generation=generation)
 
 
 def run_fsdp2(args: argparse.Namespace) -> None:
