@@ -324,7 +324,7 @@ class DiTModule(L.LightningModule):
         Sample ``indices[k]`` (default ``k``) draws its initial and per-step noise from keys
         (seed, index, step): the same call gives the same images, whatever the batching.
         """
-        from .sampling import sample_latents
+        from .sampling import clip_denoised_for, sample_latents
 
         hp = self.hparams
         use_ema = (hp.eval_weights == "ema") if use_ema is None else use_ema
@@ -343,6 +343,9 @@ class DiTModule(L.LightningModule):
                 noise_schedule=hp.noise_schedule,
                 diffusion_steps=hp.diffusion_steps,
                 noise=noise,
+                # Pixel stores clamp each x_0 estimate to [-1, 1] (their data range); latents never.
+                # Without a VAE name, judge by the channels as `dit-lightning sample` does.
+                clip_denoised=clip_denoised_for(hp.vae) if hp.vae else net.in_channels in (1, 3),
             )
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:

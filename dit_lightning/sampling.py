@@ -286,13 +286,21 @@ def sample_latents(
     noise: Optional[Tensor] = None,
     noise_fn: Optional[Callable[[int, Tensor], Tensor]] = None,
     model_fn: Optional[Callable[..., Tensor]] = None,
+    clip_denoised: bool = False,
 ) -> Tensor:
     """Latents (N, C, H, W) for ``labels``, sample ``indices[k]`` drawn from keys (seed, index).
 
     ``indices`` default to ``0..N-1``. ``noise`` overrides x_T; ``noise_fn(step, x)`` overrides
     the per-step noise (tests use it to replay a ``torch.Generator``). DDPM is ancestral
-    sampling with the learned variance (clip_denoised=False, the published setting); DDIM
-    ignores the variance and adds ``eta``-scaled noise (eta 0: deterministic given x_T).
+    sampling with the learned variance; DDIM ignores the variance and adds ``eta``-scaled
+    noise (eta 0: deterministic given x_T).
+
+    ``clip_denoised`` clamps every step's estimate of x_0 to [-1, 1] (both samplers). Off by
+    default: VAE latents are unbounded and DiT's published numbers sample them unclipped.
+    Pixel stores should pass ``clip_denoised_for(vae)`` (True): their data lie in [-1, 1], and
+    without the clamp a step where alphas_cumprod is tiny turns a small epsilon error into a
+    huge x_0 (the cosine schedule's last step, acp ~ 2.4e-9, multiplies it by ~2e4) that
+    ancestral sampling carries into the next inputs of the network.
     """
     device = next(net.parameters()).device
     y = torch.as_tensor(labels, dtype=torch.long).to(device)
@@ -316,7 +324,7 @@ def sample_latents(
         raise ValueError(f"sampler must be 'ddpm' or 'ddim', got {sampler!r}")
     was_training = net.training
     net.eval()
-    common = dict(noise=x, clip_denoised=False, model_kwargs={"y": y}, device=device, noise_fn=noise_fn)
+    common = dict(noise=x, clip_denoised=clip_denoised, model_kwargs={"y": y}, device=device, noise_fn=noise_fn)
     try:
         if sampler == "ddpm":
             x = diffusion.p_sample_loop(fn, x.shape, **common)
@@ -349,6 +357,13 @@ class SampleRequests(torch.utils.data.Dataset):
 
 def is_pixel_space(vae: Optional[str]) -> bool:
     return not vae or vae.startswith(PIXEL_VAE_PREFIX)
+
+
+def clip_denoised_for(vae: Optional[str]) -> bool:
+    """The ``clip_denoised`` a store decoded by ``vae`` samples with: True for pixel stores
+    (values known to lie in [-1, 1], as ADM samples pixel models), False for VAE latents
+    (unbounded; the DiT paper's setting)."""
+    return is_pixel_space(vae)
 
 
 def load_vae(name: str, device: Union[str, torch.device] = "cpu") -> nn.Module:
@@ -547,8 +562,10 @@ def rank_indices(num_samples: int, rank: int, world_size: int) -> range:
 _IMAGE_KEYS = (
     "weights_fingerprint", "weights", "labels", "sampler", "num_steps", "eta",
     "cfg_scale", "guide_channels", "seed", "precision", "vae", "scale_factor", "num_heads",
-    "noise_schedule", "diffusion_steps",
+    "noise_schedule", "diffusion_steps", "clip_denoised",
 )  # fmt: skip
+# What a key absent from an older sample_config.json meant (those runs never clipped).
+_IMAGE_KEY_DEFAULTS: dict[str, Any] = {"clip_denoised": False}
 
 
 def weights_fingerprint(net: nn.Module) -> str:
@@ -566,7 +583,8 @@ def weights_fingerprint(net: nn.Module) -> str:
 def _check_or_write_config(path: Path, config: dict[str, Any]) -> None:
     if path.exists():
         old = json.loads(path.read_text())
-        diff = {k: (old.get(k), config.get(k)) for k in _IMAGE_KEYS if old.get(k) != config.get(k)}
+        before = {k: old.get(k, _IMAGE_KEY_DEFAULTS.get(k)) for k in _IMAGE_KEYS}
+        diff = {k: (before[k], config.get(k)) for k in _IMAGE_KEYS if before[k] != config.get(k)}
         if diff:
             desc = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
             raise ValueError(
@@ -604,6 +622,7 @@ def sample(
     weights: Weights = "ema",
     vae: Optional[str] = None,
     scale_factor: Optional[float] = None,
+    clip_denoised: Optional[bool] = None,
     num_heads: Optional[int] = None,
     device: str = "auto",
     rank: Optional[int] = None,
@@ -635,6 +654,8 @@ def sample(
         vae: hub id or local directory of a diffusers AutoencoderKL, or "none/pixels" for pixel
             stores; default: the checkpoint's, else sd-vae-ft-ema for 4-channel latents.
         scale_factor: latent scale (default 0.18215 for a VAE).
+        clip_denoised: clamp each step's x_0 estimate to [-1, 1]; default: on for pixel stores
+            (``vae`` "none/pixels"), off for VAE latents (the published setting).
         num_heads: attention heads, when a raw checkpoint of a custom size does not match hidden/64.
         device: "auto", "cpu", "cuda"; under torchrun each rank takes cuda:LOCAL_RANK.
         rank, world_size: this process's share (default: torch.distributed, then RANK /
@@ -664,6 +685,7 @@ def sample(
         if pixels and net.in_channels not in (1, 3):
             raise ValueError(f"{net.in_channels}-channel latents need a VAE to decode: pass vae (e.g. {DEFAULT_VAE})")
         scale = float(scale_factor if scale_factor is not None else (1.0 if pixels else DEFAULT_SCALE_FACTOR))
+        clip = clip_denoised_for(vae_name) if clip_denoised is None else bool(clip_denoised)
         plan = parse_labels(labels, net.num_classes, seed)
         if num_samples is None:
             if plan.classes is None:
@@ -695,6 +717,7 @@ def sample(
             "num_heads": loaded.config["num_heads"],
             "noise_schedule": loaded.noise_schedule,
             "diffusion_steps": loaded.diffusion_steps,
+            "clip_denoised": clip,
         }
         _check_or_write_config(out / "sample_config.json", config)
 
@@ -718,7 +741,7 @@ def sample(
             latents = sample_latents(
                 net, y, idx, seed=seed, sampler=sampler, num_steps=num_steps, eta=eta, cfg_scale=cfg_scale,
                 guide_channels=guide_channels, precision=precision, noise_schedule=loaded.noise_schedule,
-                diffusion_steps=loaded.diffusion_steps,
+                diffusion_steps=loaded.diffusion_steps, clip_denoised=clip,
             )  # fmt: skip
             images = to_uint8(decode_latents(latents, vae_model if vae_model is not None else vae_name, scale))
             for k, (i, c) in enumerate(zip(idx.tolist(), y.tolist())):

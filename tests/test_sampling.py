@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dit_lightning.diffusion import create_diffusion
 from dit_lightning.models import DiT
 from dit_lightning.sampling import (
     build_sampling_diffusion,
@@ -23,14 +24,7 @@ from dit_lightning.sampling import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Models this small gain nothing from a second thread, and on a busy 2-core machine
-    # intra-op threads spin-wait: 1 thread is 5-20x faster here.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_dit(seed=0, **kw):
@@ -143,8 +137,9 @@ def test_raw_state_dict_samples_without_a_model_config(tmp_path):
     arr = _npz(res["npz"])
     assert arr.dtype == np.uint8 and arr.shape == (5, 8, 8, 3)
     assert os.path.exists(tmp_path / "out" / "grid.png")
-    # the same images as sampling the original network directly: pixels (x + 1) / 2
-    lat = sample_latents(net, torch.tensor([0, 1, 2, 0, 1]), num_steps=6, cfg_scale=1.5, seed=1)
+    # the same images as sampling the original network directly: pixels (x + 1) / 2, and a pixel
+    # store's x0 estimates clamped to [-1, 1]
+    lat = sample_latents(net, torch.tensor([0, 1, 2, 0, 1]), num_steps=6, cfg_scale=1.5, seed=1, clip_denoised=True)
     expect = (((lat + 1) / 2).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     assert np.abs(arr.astype(int) - expect.astype(int)).max() <= 1
 
@@ -259,4 +254,75 @@ def test_local_vae_directory_decodes_four_channel_latents(tmp_path):
     torch.save(random_dit(hidden_size=64, num_heads=1).state_dict(), ckpt)
     res = sample(str(ckpt), str(tmp_path / "out"), labels=[1, 2], vae=str(tmp_path / "vae"), **FAST)
     assert _npz(res["npz"]).shape == (2, 8, 8, 3)
-    assert json.loads((tmp_path / "out" / "sample_config.json").read_text())["scale_factor"] == 0.18215
+    config = json.loads((tmp_path / "out" / "sample_config.json").read_text())
+    assert config["scale_factor"] == 0.18215 and config["clip_denoised"] is False  # latents: unclamped
+
+
+# --------------------------------------------------------------------------------------
+# Pixel stores: x_0 estimates clamped to [-1, 1]
+# --------------------------------------------------------------------------------------
+
+
+def _noisy_oracle(data, schedule, error, seen):
+    """epsilon of the exact posterior mean E[x0 | x_t] over the images ``data`` (in [-1, 1]),
+    plus a fixed error of size ``error`` (what a trained network adds); records max |x_t| of
+    every call, i.e. how far the inputs the network would see are from the training marginals."""
+    acp = torch.tensor(create_diffusion(noise_schedule=schedule).alphas_cumprod, dtype=torch.float64)
+    offset = error * torch.randn(data.shape[1:], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def fn(x, t, y):
+        seen.append(x.abs().max().item())
+        xd, a = x.double(), acp[t.long()].view(-1, 1, 1, 1)
+        d2 = ((xd[:, None] - a[:, None].sqrt() * data[None]) ** 2).flatten(2).sum(-1)  # (N, K)
+        w = torch.softmax(-d2 / (2 * (1 - a.view(-1, 1))), dim=1)
+        x0 = torch.einsum("nk,kchw->nchw", w, data)
+        eps = (xd - a.sqrt() * x0) / (1 - a).sqrt() + offset
+        return torch.cat([eps, torch.zeros_like(eps)], 1).to(x.dtype)
+
+    return fn
+
+
+@pytest.mark.parametrize("sampler", ["ddpm", "ddim"])
+def test_clip_denoised_keeps_cosine_pixel_sampling_in_range(sampler):
+    """The cosine schedule's last step has alphas_cumprod ~ 2.4e-9 (beta capped at 0.999): x_0 =
+    (x_T - sqrt(1 - acp) eps) / sqrt(acp) multiplies an epsilon error of 0.02 by ~2e4. Unclamped,
+    a respaced DDPM that starts at t = 999 hands the network inputs hundreds of standard deviations
+    out (what saturated the digits); clamped to the pixel range, every input stays on the forward
+    process's scale and the images in [-1, 1]."""
+    net = random_dit(in_channels=1)  # only fixes the shape and device; model_fn replaces it
+    data = torch.rand(5, 1, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2 - 1
+    y = torch.zeros(4, dtype=torch.long)
+    kw = dict(sampler=sampler, num_steps=10, noise_schedule="cosine", seed=3)
+    if sampler == "ddim":
+        kw["num_steps"] = 37  # no integer stride gives 37 steps: section respacing, t = 999 as DDPM
+    assert 999 in build_sampling_diffusion(sampler, kw["num_steps"], "cosine").timestep_map
+
+    seen: list[float] = []
+    out = sample_latents(net, y, model_fn=_noisy_oracle(data, "cosine", 0.02, seen), clip_denoised=True, **kw)
+    assert max(seen) < 6.0  # |sqrt(acp) x0 + sqrt(1 - acp) z| for |x0| <= 1 and 64 draws of z per image
+    assert out.abs().max() <= 1.0 + 1e-4
+
+    # The same sampler unclamped: the second input is already far outside anything trained on.
+    seen.clear()
+    sample_latents(net, y, model_fn=_noisy_oracle(data, "cosine", 0.02, seen), clip_denoised=False, **kw)
+    assert seen[1] > 20.0
+
+
+def test_sample_command_clips_pixel_stores_and_records_it(tmp_path):
+    ckpt = _gray_ckpt(tmp_path)  # 1 channel, no VAE recorded: a pixel store
+    res = sample(ckpt, str(tmp_path / "px"), labels=[1, 2, 3], seed=1, **FAST)
+    assert json.loads((tmp_path / "px" / "sample_config.json").read_text())["clip_denoised"] is True
+    net = load_model(ckpt).net
+    lat = sample_latents(net, torch.tensor([1, 2, 3]), num_steps=6, seed=1, clip_denoised=True)
+    expect = (((lat + 1) / 2).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    assert np.abs(_npz(res["npz"])[..., :1].astype(int) - expect.astype(int)).max() <= 1
+    # explicit override, and a run directory from before the setting existed (never clipped)
+    off = sample(ckpt, str(tmp_path / "off"), labels=[1, 2, 3], seed=1, clip_denoised=False, **FAST)
+    assert json.loads((tmp_path / "off" / "sample_config.json").read_text())["clip_denoised"] is False
+    config = json.loads((tmp_path / "off" / "sample_config.json").read_text())
+    del config["clip_denoised"]
+    (tmp_path / "off" / "sample_config.json").write_text(json.dumps(config))
+    assert sample(ckpt, str(tmp_path / "off"), labels=[1, 2, 3], seed=1, clip_denoised=False, **FAST)["skipped"] == 3
+    with pytest.raises(ValueError, match="clip_denoised"):
+        sample(ckpt, str(tmp_path / "off"), labels=[1, 2, 3], seed=1, **FAST)
+    assert off["complete"]

@@ -467,3 +467,70 @@ def test_progressive_and_progress_bar():
     assert torch.equal(steps[-1]["sample"], d.ddim_sample_loop(_toy_model, SHAPE, noise=noise))
     with pytest.raises(ValueError):
         d.p_sample_loop(_toy_model, SHAPE, noise=torch.randn(3, 1, 2, 2))
+
+
+# --------------------------------------------------------------------------------------
+# The cosine schedule end to end (improved DDPM): closed forms and an exact denoiser
+# --------------------------------------------------------------------------------------
+
+
+def _cos_bar(s: float) -> float:
+    return math.cos((s + 0.008) / 1.008 * math.pi / 2) ** 2
+
+
+def test_cosine_tables_closed_form():
+    d = create_diffusion(noise_schedule="cosine")
+    T = 1000
+    hand = np.array([min(1 - _cos_bar((i + 1) / T) / _cos_bar(i / T), 0.999) for i in range(T)])
+    np.testing.assert_allclose(d.betas, hand, rtol=1e-12, atol=0)
+    # Only the last beta is capped (alpha_bar(1) = 0): acp telescopes to alpha_bar up to t = 998.
+    assert d.betas[:-1].max() < 0.999 and d.betas[-1] == 0.999
+    assert d.alphas_cumprod[998] == pytest.approx(_cos_bar(0.999) / _cos_bar(0.0), rel=1e-9)
+    assert d.alphas_cumprod[999] == pytest.approx(0.001 * d.alphas_cumprod[998], rel=1e-9)
+    assert d.alphas_cumprod[999] == pytest.approx(2.43e-9, rel=1e-2)  # x0 = x/sqrt(acp) - ...: x 2e4
+    for t in (1, 500, 999):
+        ab, ab_prev = _acp(d.betas, t), _acp(d.betas, t - 1)
+        assert d.posterior_variance[t] == pytest.approx(d.betas[t] * (1 - ab_prev) / (1 - ab), rel=1e-9)
+        assert d.posterior_mean_coef1[t] == pytest.approx(d.betas[t] * math.sqrt(ab_prev) / (1 - ab), rel=1e-9)
+        assert d.posterior_mean_coef2[t] == pytest.approx((1 - ab_prev) * math.sqrt(1 - d.betas[t]) / (1 - ab), rel=1e-9)
+    assert d.posterior_log_variance_clipped[0] == d.posterior_log_variance_clipped[1] == math.log(d.posterior_variance[1])
+    # At t = 999 the learned range spans log(beta) and the posterior's, which nearly coincide:
+    # the variance head cannot matter there.
+    assert abs(math.log(d.betas[999]) - d.posterior_log_variance_clipped[999]) < 1e-5
+
+
+@pytest.mark.parametrize("respacing", ["10", "100", "ddim50"])
+def test_respaced_cosine_keeps_the_marginals(respacing):
+    base, spaced = create_diffusion(noise_schedule="cosine"), create_diffusion(respacing, noise_schedule="cosine")
+    kept = spaced.timestep_map
+    np.testing.assert_allclose(spaced.alphas_cumprod, base.alphas_cumprod[kept], rtol=1e-8, atol=0)  # 1 - (1 - a) rounds
+    prev = np.append(1.0, base.alphas_cumprod[kept][:-1])
+    np.testing.assert_allclose(spaced.betas, 1 - base.alphas_cumprod[kept] / prev, rtol=1e-10, atol=0)
+    assert spaced.betas[0] == base.betas[0] and (spaced.betas < 1).all()
+
+
+@pytest.mark.parametrize("respacing, sampler", [("250", "p_sample_loop"), ("100", "p_sample_loop"), ("100", "ddim_sample_loop")])
+def test_exact_denoiser_samples_the_data_under_cosine_unclipped(respacing, sampler):
+    """Pixels independently -1 or +1: E[x0 | x_t] = tanh(sqrt(acp) x_t / (1 - acp)) exactly. With
+    this denoiser every x_t of a correct sampler has unit variance (acp E[x0^2] + 1 - acp), even
+    through the cosine schedule's last step (acp 2.4e-9) and without clipping; the samples are
+    the data's +-1. A wrong schedule, respacing, posterior or variance would drift."""
+    d = create_diffusion(respacing, noise_schedule="cosine")
+    acp = torch.tensor(create_diffusion(noise_schedule="cosine").alphas_cumprod)
+    shape = (16, 1, 16, 16)
+
+    def oracle(x, t):
+        a = acp[t].view(-1, 1, 1, 1)
+        x0 = torch.tanh(a.sqrt() * x / (1 - a))
+        eps = (x - a.sqrt() * x0) / (1 - a).sqrt()
+        return torch.cat([eps, torch.full_like(x, -1.0)], 1)  # v = -1: the posterior variance
+
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(shape, generator=g, dtype=torch.float64)
+    stds = []
+    for out in getattr(d, sampler + "_progressive")(oracle, shape, noise=noise, generator=g):
+        stds.append(out["sample"].std().item())
+    assert max(abs(s - 1) for s in stds) < 0.1, stds
+    final = out["sample"]
+    assert final.abs().max() <= 1 + 1e-9 and (final.abs() > 0.99).float().mean() > 0.97
+    assert abs(final.mean().item()) < 0.1
