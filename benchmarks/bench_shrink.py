@@ -301,7 +301,7 @@ def main() -> None:
         log(f"{name}: {rows[name]}")
 
     # ---- fine-tune the pruned models, with distillation from the teacher ---------------------------
-    for name in ("depth 6->3", "mlp 4.0->2.0", "depth 3 + mlp 2.0"):
+    for name in ("depth 6->3", "mlp 4.0->2.0", "depth 3 + mlp 2.0", "heads 4->2"):
         net, _ = load_dit(files[name])
         L.seed_everything(0, verbose=False)
         m = make_module(model_config(net), dm, init_from=files[name], teacher=teacher, ema_decay=0.99)
