@@ -352,12 +352,14 @@ class DiTModule(L.LightningModule):
         """Images in [0, 1] for ``batch = {"index", "y"}`` (see ``LatentDataModule.predict_dataloader``);
         sample i is keyed on (seed, i), so the output does not depend on batching or devices."""
         latents = self.sample(batch["y"], seed=self.hparams.seed, indices=batch["index"])
-        scale = getattr(self._trainer.datamodule, "scale_factor", None) if self._trainer is not None else None
-        return {"index": batch["index"], "y": batch["y"], "images": self.decode(latents, scale_factor=scale)}
+        return {"index": batch["index"], "y": batch["y"], "images": self.decode(latents)}
 
     def decode(self, latents: Tensor, scale_factor: Optional[float] = None) -> Tensor:
-        """Images in [0, 1], (N, 3 or 1, H, W): through the VAE, or directly for pixel stores."""
-        from .sampling import decode_latents, is_pixel_space, load_vae
+        """Images in [0, 1], (N, 3 or 1, H, W): through the VAE, or directly for pixel stores.
+
+        ``scale_factor`` defaults to that of the trainer's data module (its store), else 0.18215.
+        """
+        from .sampling import DEFAULT_SCALE_FACTOR, decode_latents, is_pixel_space, load_vae
 
         name = self.hparams.vae
         if is_pixel_space(name):
@@ -365,4 +367,7 @@ class DiTModule(L.LightningModule):
         if name not in self._decoder_cache:
             self._decoder_cache[name] = load_vae(name)
         vae = self._decoder_cache[name].to(latents.device)
-        return decode_latents(latents, vae, scale_factor if scale_factor is not None else 0.18215)
+        if scale_factor is None:
+            data = self._trainer.datamodule if self._trainer is not None else None
+            scale_factor = getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
+        return decode_latents(latents, vae, scale_factor)

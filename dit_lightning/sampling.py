@@ -503,7 +503,9 @@ def write_grid(paths: Sequence[Union[str, Path]], output: Union[str, Path], nrow
     return save_png(make_grid_image(images, nrow), output, upscale=max(1, math.ceil(64 / images.shape[-1])))
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Union[str, Path], obj: Any) -> None:
+    """``obj`` as indented JSON at ``path``, written to a temporary name and renamed."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
@@ -593,7 +595,7 @@ def _check_or_write_config(path: Path, config: dict[str, Any]) -> None:
             )
         if old.get("num_samples", 0) >= config["num_samples"]:
             return
-    _write_json_atomic(path, config)
+    write_json_atomic(path, config)
 
 
 def _log(msg: str, enabled: bool) -> None:

@@ -1,30 +1,17 @@
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from dit_lightning.distill import DistillationModule
 from dit_lightning.models.pruning import save_pruned
 from dit_lightning.module import DiTModule
 
-TINY = dict(model="custom", latent_shape=(1, 8, 8), num_classes=10, depth=2, hidden_size=32, num_heads=4, patch_size=2)
+from .conftest import TINY_MODULE as TINY, DictDataset
 SMALL = {**TINY, "hidden_size": 16, "num_heads": 2}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class DictDataset(Dataset):
-    def __init__(self, n: int = 16):
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 1, 8, 8, generator=g).clamp(-1, 1)
-        self.y = torch.randint(0, 10, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i], "index": torch.tensor(i)}
 
 
 def batch(n: int = 8, seed: int = 2):
@@ -103,7 +90,7 @@ def test_teacher_gets_no_gradients_and_stays_out_of_the_checkpoint(teacher_ckpt,
     trainer = L.Trainer(
         accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
     )
-    trainer.fit(student, DataLoader(DictDataset(), batch_size=8))
+    trainer.fit(student, DataLoader(DictDataset(16), batch_size=8))
     assert not student.teacher.training
     assert all(p.grad is None and not p.requires_grad for p in student.teacher.parameters())
     for k, v in student.teacher.state_dict().items():

@@ -179,15 +179,14 @@ def _digits_of_keyed_samples(store: str, ema: dict[str, torch.Tensor]) -> dict:
     """The digits metrics of samples 0..GENERATED-1 of these EMA weights, made in one process."""
     import numpy as np
 
-    from dit_lightning.evaluation.digits import digits_metrics, pixels_to_features
+    from dit_lightning.evaluation.digits import digits_metrics, uint8_digit_features
     from dit_lightning.sampling import parse_labels, to_uint8
 
     module, _ = parity.build(store)
     module.ema.load_state_dict(ema)
     labels = parse_labels("0-9", 10)(np.arange(parity.GENERATED))
     images = to_uint8(module.decode(module.sample(labels, indices=torch.arange(parity.GENERATED), seed=0)))
-    pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255 * 2 - 1
-    return digits_metrics(pixels_to_features(pixels), labels.numpy())
+    return digits_metrics(uint8_digit_features(torch.from_numpy(images).permute(0, 3, 1, 2)), labels.numpy())
 
 
 @pytest.mark.parametrize("run", ["ddp", "fsdp2"])

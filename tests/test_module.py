@@ -1,27 +1,14 @@
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from dit_lightning.models import DiT
 from dit_lightning.models.checkpoint import read_checkpoint
 from dit_lightning.module import DiTModule
 from dit_lightning.export import export_checkpoint
 
-TINY = dict(model="custom", latent_shape=(1, 8, 8), num_classes=10, depth=2, hidden_size=32, num_heads=4, patch_size=2)
-
-
-class DictDataset(Dataset):
-    def __init__(self, n: int = 32):
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 1, 8, 8, generator=g).clamp(-1, 1)
-        self.y = torch.randint(0, 10, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i], "index": torch.tensor(i)}
+from .conftest import TINY_MODULE as TINY, DictDataset
 
 
 def trainer(**kw):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..evaluation.fid import FeatureStats, build_extractor, check_metrics, find_inception_weights, metrics_from_features, reference_stats
-from ..sampling import LabelSpec, Sampler, is_pixel_space, parse_labels, to_uint8
+from ..sampling import LabelPlan, LabelSpec, Sampler, is_pixel_space, parse_labels, to_uint8, write_json_atomic
 
 Metric = Literal["fid", "is", "kid", "digits"]
 Stage = Literal["test", "validate"]
@@ -160,10 +159,8 @@ class GenerationMetrics(L.Callback):
 
     # ---- sampling and measuring -------------------------------------------------------------
     @torch.no_grad()
-    def _local_features(self, trainer: L.Trainer, pl_module: Any, indices: Tensor) -> dict[str, Tensor]:
+    def _local_features(self, trainer: L.Trainer, pl_module: Any, indices: Tensor, plan: LabelPlan) -> dict[str, Tensor]:
         """Features of this rank's samples ``indices`` (on the device: all_gather needs them there)."""
-        plan = parse_labels(self.labels, pl_module.model.num_classes, seed=self.seed)
-        scale = getattr(trainer.datamodule, "scale_factor", None) if trainer.datamodule is not None else None
         device = pl_module.device
         parts: dict[str, list[Tensor]] = {"image": [], "digits": []}
         for chunk in indices.split(self.batch_size):
@@ -175,15 +172,14 @@ class GenerationMetrics(L.Callback):
                     labels, indices=chunk, seed=self.seed, num_steps=self.num_steps, sampler=self.sampler,
                     cfg_scale=self.cfg_scale, guide_channels=self.guide_channels, eta=self.eta,
                 )  # fmt: skip
-            images = torch.from_numpy(to_uint8(pl_module.decode(latents, scale_factor=scale))).permute(0, 3, 1, 2)
+            images = torch.from_numpy(to_uint8(pl_module.decode(latents))).permute(0, 3, 1, 2)
             if self.image_metrics:
                 rgb = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
                 parts["image"].append(self._extractor(rgb.contiguous().to(device)).float())
             if "digits" in self.metrics:
-                from ..evaluation.digits import pixels_to_features
+                from ..evaluation.digits import uint8_digit_features  # the 8-bit images `evaluate` reads back
 
-                pixels = images.float() / 255 * 2 - 1  # what `evaluate` reads back from the PNGs
-                parts["digits"].append(torch.from_numpy(pixels_to_features(pixels)).float().to(device))
+                parts["digits"].append(torch.from_numpy(uint8_digit_features(images)).float().to(device))
         return {k: torch.cat(v) for k, v in parts.items() if v}
 
     def _gather(self, trainer: L.Trainer, local: Tensor) -> np.ndarray:
@@ -198,7 +194,8 @@ class GenerationMetrics(L.Callback):
         world, rank = trainer.world_size, trainer.global_rank
         per_rank = math.ceil(self.num_samples / world)
         indices = torch.arange(per_rank) * world + rank
-        local = self._local_features(trainer, pl_module, indices)
+        plan = parse_labels(self.labels, pl_module.model.num_classes, seed=self.seed)
+        local = self._local_features(trainer, pl_module, indices, plan)
         gathered = {k: self._gather(trainer, v) for k, v in local.items()}
         result: Optional[dict[str, Any]] = None
         if trainer.is_global_zero:
@@ -210,7 +207,6 @@ class GenerationMetrics(L.Callback):
             if "digits" in gathered:
                 from ..evaluation.digits import digits_metrics
 
-                plan = parse_labels(self.labels, pl_module.model.num_classes, seed=self.seed)
                 result["digits"] = digits_metrics(gathered["digits"], plan(np.arange(self.num_samples)).numpy())
         return trainer.strategy.broadcast(result, src=0)
 
@@ -248,9 +244,7 @@ class GenerationMetrics(L.Callback):
         if self.output and trainer.is_global_zero:
             path = Path(self.output.replace("{stage}", prefix))
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.last, indent=2) + "\n")
-            os.replace(tmp, path)
+            write_json_atomic(path, self.last)
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active("test"):

@@ -85,8 +85,7 @@ class SampleGrid(L.Callback):
             cfg_scale=self.cfg_scale,
             seed=self.seed,
         )
-        scale = getattr(trainer.datamodule, "scale_factor", None) if trainer.datamodule is not None else None
-        images = pl_module.decode(latents, scale_factor=scale)
+        images = pl_module.decode(latents)
         self.last_grid = make_grid_image(images, nrow=self.per_class)
         for logger in trainer.loggers if trainer.is_global_zero else []:
             if isinstance(logger, TensorBoardLogger):

@@ -40,6 +40,11 @@ def pixels_to_features(images: torch.Tensor) -> np.ndarray:
     return ((x + 1) / 2).reshape(len(x), -1).cpu().numpy()
 
 
+def uint8_digit_features(images: torch.Tensor) -> np.ndarray:
+    """8-bit generated digits (N, 1, H, W), as written to PNGs -> the classifier's features."""
+    return pixels_to_features(images.float() / 255 * 2 - 1)
+
+
 def _real_digit_features() -> np.ndarray:
     from sklearn.datasets import load_digits
 
@@ -98,10 +103,9 @@ def digits_metrics_from_samples(samples_dir: str, limit: Optional[int] = None) -
     indices = sorted(found)[:limit]
     if not indices:
         raise FileNotFoundError(f"no sample PNGs in {samples_dir}")
-    images = np.stack([load_png_rgb(found[i])[..., 0] for i in indices]).astype(np.float32) / 255.0  # (N, H, W)
-    pixels = torch.from_numpy(images)[:, None] * 2 - 1
+    images = torch.from_numpy(np.stack([load_png_rgb(found[i])[..., 0] for i in indices]))[:, None]  # uint8 (N, 1, H, W)
     labels = np.array([int(found[i].name.split("-c")[1].split(".")[0]) for i in indices])
-    return digits_metrics(pixels_to_features(pixels), labels)
+    return digits_metrics(uint8_digit_features(images), labels)
 
 
 def digits_accuracy(

@@ -533,6 +533,7 @@ def evaluate(
     The Inception and reference settings are checked before sampling starts.
     """
     from ..sampling import sample as run_sampling
+    from ..sampling import write_json_atomic
 
     wanted = [m.lower() for m in metrics]
     inception_needed = any(m in wanted for m in ("fid", "is", "kid")) and feature_extractor is None
@@ -564,9 +565,7 @@ def evaluate(
         out["digits"] = digits_metrics_from_samples(samples_dir, limit=num_samples)
     config = json.loads((Path(output) / "sample_config.json").read_text())
     out["sampling"] = {k: config[k] for k in ("sampler", "num_steps", "cfg_scale", "guide_channels", "seed", "weights", "vae")}
-    tmp = Path(output) / f".metrics.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp, Path(output) / "metrics.json")
+    write_json_atomic(Path(output) / "metrics.json", out)
     if progress:
         shown = {k: v for k, v in out.items() if k in ("fid", "is", "kid", "num_samples", "num_reference")}
         print(f"metrics: {json.dumps(shown)} -> {Path(output) / 'metrics.json'}")

@@ -14,7 +14,7 @@ import torch
 
 from dit_lightning.callbacks import GenerationMetrics
 from dit_lightning.data import LatentDataModule, prepare_digits
-from dit_lightning.evaluation.digits import digits_metrics, pixels_to_features
+from dit_lightning.evaluation.digits import digits_metrics, uint8_digit_features
 from dit_lightning.evaluation.fid import InceptionWeightsMissing
 from dit_lightning.module import DiTModule
 from dit_lightning.sampling import parse_labels, to_uint8
@@ -66,8 +66,7 @@ def trained(store):
 def test_digits_metrics_are_those_of_the_keyed_samples_whatever_the_batching(trained):
     module, dm = trained
     images, labels = sampled_images(module, N)
-    pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255 * 2 - 1
-    want = digits_metrics(pixels_to_features(pixels), labels)
+    want = digits_metrics(uint8_digit_features(torch.from_numpy(images).permute(0, 3, 1, 2)), labels)
     got = []
     for batch_size in (N, 5):
         cb = GenerationMetrics(metrics=["digits"], num_samples=N, labels="0-9", batch_size=batch_size)
