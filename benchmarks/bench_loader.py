@@ -25,11 +25,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dit_lightning.data.datamodule import LatentDataModule
-from dit_lightning.data.store import LatentStore
-from dit_lightning.data.testing import make_random_store
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # the random-store fixture lives with the tests
+
+from dit_lightning.data.datamodule import LatentDataModule  # noqa: E402
+from dit_lightning.data.store import LatentStore  # noqa: E402
+from tests.helpers.data import make_random_store  # noqa: E402
 
 
 class PerSampleDataset(Dataset):

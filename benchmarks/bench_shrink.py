@@ -119,7 +119,7 @@ def quality(net, val_batch, diffusion, module=None, per_class: int = 0, sample_s
 
 def module_for(net, dm, path: str):
     """A DiTModule holding ``net`` (saved at ``path``) as raw and EMA weights, for sampling."""
-    from dit_lightning.models.pruning import model_config
+    from dit_lightning.models import model_config
 
     return make_module(model_config(net), dm, init_from=path).eval()
 
@@ -182,7 +182,8 @@ def child_main(spec: dict[str, Any]) -> None:
     from dit_lightning.data import LatentDataModule
     from dit_lightning.data.datamodule import LatentBatchDataset
     from dit_lightning.distill import DistillationModule  # noqa: F401
-    from dit_lightning.models.pruning import load_dit, model_config
+    from dit_lightning.checkpoints import load_dit
+    from dit_lightning.models import model_config
 
     ds = LatentBatchDataset(spec["store"], train=False)
     batch = ds.get_batch(np.arange(spec["batch_size"]))
@@ -192,7 +193,7 @@ def child_main(spec: dict[str, Any]) -> None:
     reset = _reset_peak_rss()
     if spec.get("file"):
         dm = LatentDataModule(spec["store"], global_batch_size=spec["batch_size"], num_workers=0)
-        net, _ = load_dit(spec["file"])
+        net = load_dit(spec["file"]).net
         kw = {"alpha_diffusion": 1.0} if spec.get("teacher") else {}
         module = make_module(model_config(net), dm, init_from=spec["file"], teacher=spec.get("teacher"), **kw)
         step = step_fn(module, batch)
@@ -254,7 +255,10 @@ def main() -> None:
 
     from dit_lightning.diffusion import create_diffusion
     from dit_lightning.models import DiTShape, dit_macs
-    from dit_lightning.models.pruning import load_dit, model_config, prune, save_pruned
+    from dit_lightning.checkpoints import load_dit
+    from dit_lightning.checkpoints import save_dit as save_pruned
+    from dit_lightning.commands.prune import prune
+    from dit_lightning.models import model_config
 
     os.makedirs(args.workdir, exist_ok=True)
     store, dm = digits_data(args.workdir, args.batch_size)
@@ -276,7 +280,7 @@ def main() -> None:
 
     # ---- the shrunk models ------------------------------------------------------------------
     files: dict[str, str] = {}
-    base_net, _ = load_dit(teacher)
+    base_net = load_dit(teacher).net
     files["teacher (demo)"] = save_pruned(base_net, os.path.join(W, "teacher.pt"), ema=base_net, extra_args={"num_heads": base_net.num_heads})
     files["depth 6->3"] = prune(teacher, os.path.join(W, "depth3.pt"), depth=3, calibration=calib, calibration_draws=2)
     files["mlp 4.0->2.0"] = prune(teacher, os.path.join(W, "mlp2.pt"), mlp_ratio=2.0)
@@ -285,7 +289,7 @@ def main() -> None:
 
     rows: dict[str, dict[str, Any]] = {}
     for name, f in files.items():
-        net, _ = load_dit(f)
+        net = load_dit(f).net
         cfg = model_config(net)
         rows[name] = {
             "config": name,
@@ -302,7 +306,7 @@ def main() -> None:
 
     # ---- fine-tune the pruned models, with distillation from the teacher ---------------------------
     for name in ("depth 6->3", "mlp 4.0->2.0", "depth 3 + mlp 2.0", "heads 4->2"):
-        net, _ = load_dit(files[name])
+        net = load_dit(files[name]).net
         L.seed_everything(0, verbose=False)
         m = make_module(model_config(net), dm, init_from=files[name], teacher=teacher, ema_decay=0.99)
         secs = fit(m, dm, args.finetune_steps)
@@ -311,7 +315,7 @@ def main() -> None:
         log(f"{name} fine-tuned with distillation ({args.finetune_steps} steps, {secs:.0f} s): {q}")
     # The same repair without the teacher, for the most pruned model.
     name = "depth 3 + mlp 2.0"
-    net, _ = load_dit(files[name])
+    net = load_dit(files[name]).net
     L.seed_everything(0, verbose=False)
     m = make_module(model_config(net), dm, init_from=files[name], ema_decay=0.99)
     secs = fit(m, dm, args.finetune_steps)
@@ -345,11 +349,11 @@ def main() -> None:
     batch = plain_ds.get_batch(np.sort(dm.train_indices[: args.batch_size]))
     steppers = {}
     for name, f in speed_files.items():
-        net, _ = load_dit(f)
+        net = load_dit(f).net
         L.seed_everything(0, verbose=False)
         steppers[name] = step_fn(make_module(model_config(net), dm, init_from=f), batch)
     # The distillation step of the student: its own step plus the teacher's forward.
-    net, _ = load_dit(files["student d3/h96, distilled"])
+    net = load_dit(files["student d3/h96, distilled"]).net
     steppers["student d3/h96 + teacher fwd"] = step_fn(
         make_module(model_config(net), dm, init_from=files["student d3/h96, distilled"], teacher=teacher), batch
     )

@@ -7,19 +7,19 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.plugins.io import CheckpointIO
-
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
 
 from .callbacks.config_logger import TensorBoardConfigLogger
 from .callbacks.generation import GenerationMetrics
-from .checkpoint_io import AtomicCheckpointIO
+from .commands import TOOLS, tool
 from .data import LatentDataModule
 from .module import DiTModule
+from .plugins import AtomicCheckpointIO
 
 
 def _store_vae(data: LatentDataModule) -> str:
@@ -60,39 +60,17 @@ class DiTCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
-def _tools() -> dict[str, Callable]:
-    from .data import extract_latents, prepare_digits
-    from .distributed import consolidate
-    from .evaluation.fid import evaluate
-    from .export import export_checkpoint
-    from .models.pruning import prune
-    from .planner import plan
-    from .sampling import sample
-
-    return {
-        "extract": extract_latents,
-        "prepare-digits": prepare_digits,
-        "export": export_checkpoint,
-        "prune": prune,
-        "plan": plan,
-        "sample": sample,
-        "evaluate": evaluate,
-        "consolidate": consolidate,
-    }
-
-
-TOOL_NAMES = ("extract", "prepare-digits", "export", "prune", "plan", "sample", "evaluate", "consolidate")
 # Flags that read better without a value on the command line.
 _FLAG_ALIASES = {"plan": {"--fit": "--fit=true", "--json": "--format=json"}}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in TOOL_NAMES:
+    if args and args[0] in TOOLS:
         from jsonargparse import CLI
 
         aliases = _FLAG_ALIASES.get(args[0], {})
-        CLI(_tools()[args[0]], args=[aliases.get(a, a) for a in args[1:]], as_positional=False)
+        CLI(tool(args[0]), args=[aliases.get(a, a) for a in args[1:]], as_positional=False)
         return
     DiTCLI(
         DiTModule,
@@ -100,7 +78,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         subclass_mode_model=True,  # DiTModule or a subclass (dit_lightning.distill.DistillationModule)
         save_config_callback=TensorBoardConfigLogger,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": "Train DiT with Lightning. Tools: " + ", ".join(TOOL_NAMES) + " (dit-lightning TOOL --help)."},
+        parser_kwargs={"description": "Train DiT with Lightning. Tools: " + ", ".join(TOOLS) + " (dit-lightning TOOL --help)."},
         args=argv,  # None: LightningCLI reads sys.argv itself
     )
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .models import DiT
-from .models.pruning import load_dit
+from .checkpoints import load_dit
 from .module import _VAL_STEP_KEY, DiTModule
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ class DistillationModule(DiTModule):
         self.feature_proj = nn.ModuleList()
         if teacher is None:  # no distillation terms (e.g. loaded to sample): projections unused
             return
-        net, ckpt = load_dit(teacher, weights=teacher_weights)
-        self._check_teacher(net, ckpt.get("args") or {}, teacher)
+        loaded = load_dit(teacher, weights=teacher_weights)
+        net = loaded.net
+        self._check_teacher(net, loaded.args, teacher)
         net.requires_grad_(False).eval()
         self._frozen["teacher"] = net
         for s, t in self.feature_pairs:

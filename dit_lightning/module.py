@@ -14,17 +14,21 @@ import torch
 from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
+from .checkpoints import check_dit_weights, load_dit_weights, read_checkpoint, strip_prefix
 from .diffusion import create_diffusion
+from .distributed.ops import clip_gradients, ema_update_, grad_norm
+from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
-from .models.checkpoint import load_dit_weights, read_checkpoint
 from .models.dit import CheckpointSpec
+from .precision import is_fp16
+from .sampling import Sampler, sample_latents
+from .vae import DEFAULT_SCALE_FACTOR, clip_denoised_for, decode_latents, is_pixel_space, load_vae
 
 log = logging.getLogger(__name__)
 # The EMA copy is in eval mode on purpose (it is never trained); Lightning warns about it.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
-Sampler = Literal["ddpm", "ddim"]
 AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
 
 # Fixed keys so that validation sees the same timesteps and noise in every run and epoch.
@@ -124,30 +128,23 @@ class DiTModule(L.LightningModule):
         self.diffusion = create_diffusion("", noise_schedule=noise_schedule, learn_sigma=learn_sigma, diffusion_steps=diffusion_steps)
         self.optimizer_factory = optimizer
         self.ema: Optional[DiT] = None
-        if init_from:
-            self._load_initial_weights(init_from)
+        initial = read_checkpoint(init_from) if init_from else None
+        if initial is not None:
+            load_dit_weights(self.model, initial.model, source=f"checkpoint '{init_from}'")
         if ema:
             self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
-            if init_from:
-                ema_sd = read_checkpoint(init_from)["ema"]
-                if ema_sd is not None:
-                    load_dit_weights(self.ema, ema_sd, source=f"EMA weights of '{init_from}'")
+            if initial is not None and initial.ema is not None:
+                load_dit_weights(self.ema, initial.ema, source=f"EMA weights of '{init_from}'")
         self._decoder_cache: dict[str, nn.Module] = {}  # a plain dict: keeps the VAE out of the state dict
 
     # ---- weights ----------------------------------------------------------------------
-    def _load_initial_weights(self, path: str) -> None:
-        ckpt = read_checkpoint(path)
-        load_dit_weights(self.model, ckpt["model"], source=f"checkpoint '{path}'")
-
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Refuse a checkpoint of another architecture with a message that says which one it
         # is, before Lightning's generic load_state_dict error.
-        from .models.checkpoint import _strip, check_dit_weights
-
         if "state_dict" not in checkpoint:  # sharded checkpoint: loaded (strictly) by the strategy
             return
         sd = checkpoint["state_dict"]
-        check_dit_weights(self.model, _strip(sd, "model."), source="the checkpoint being resumed")
+        check_dit_weights(self.model, strip_prefix(sd, "model."), source="the checkpoint being resumed")
 
     @property
     def eval_model(self) -> DiT:
@@ -172,8 +169,6 @@ class DiTModule(L.LightningModule):
         if self.hparams.tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        from .distributed import configure_sharding
-
         configure_sharding(self)  # FSDP2 under a ModelParallelStrategy (before compiling); else a no-op
         mode = self.hparams.compile
         if mode == "model" and not getattr(self.model, "_compiled", False):
@@ -191,7 +186,7 @@ class DiTModule(L.LightningModule):
             return False
         trainer = self._trainer
         clip = trainer is not None and trainer.gradient_clip_val not in (None, 0)
-        fp16 = trainer is not None and str(trainer.precision).startswith("16")
+        fp16 = trainer is not None and is_fp16(trainer.precision)
         if clip and fp16:
             # Lightning refuses to clip gradients for optimisers that unscale internally
             # (fused AdamW under GradScaler): keep clipping, use the foreach kernel.
@@ -269,8 +264,6 @@ class DiTModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         every = self.trainer.log_every_n_steps if self._trainer is not None else 1
         if self.global_step % max(1, every) == 0:
-            from .distributed import grad_norm
-
             norm = grad_norm(self.model.parameters(), self._trainer.strategy if self._trainer is not None else None)
             if norm is not None:
                 self.log("train/grad_norm", norm, batch_size=1)
@@ -278,9 +271,8 @@ class DiTModule(L.LightningModule):
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: Optional[str] = None
     ) -> None:
-        from .distributed import clip_gradients  # clipping by norm that also works under FSDP1/FSDP2
-
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+        clip_gradients(  # clipping by norm that also works under FSDP1/FSDP2
+            self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ---- EMA ----------------------------------------------------------------------------
     def ema_decay_at(self, step: int) -> float:
@@ -294,9 +286,8 @@ class DiTModule(L.LightningModule):
         """ema <- decay * ema + (1 - decay) * model, over every parameter (one fused kernel)."""
         if self.ema is None:
             return
-        from .distributed import ema_update_  # lerps local shards under FSDP: never gathers
-
-        ema_update_(self.ema, self.model, 1.0 - self.ema_decay_at(self.global_step))
+        ema_update_(  # lerps local shards under FSDP: never gathers
+            self.ema, self.model, 1.0 - self.ema_decay_at(self.global_step))
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         # Called once per optimiser step (after all accumulated micro-batches), so the EMA
@@ -324,8 +315,6 @@ class DiTModule(L.LightningModule):
         Sample ``indices[k]`` (default ``k``) draws its initial and per-step noise from keys
         (seed, index, step): the same call gives the same images, whatever the batching.
         """
-        from .sampling import clip_denoised_for, sample_latents
-
         hp = self.hparams
         use_ema = (hp.eval_weights == "ema") if use_ema is None else use_ema
         net = self.ema if (use_ema and self.ema is not None) else self.model
@@ -359,8 +348,6 @@ class DiTModule(L.LightningModule):
 
         ``scale_factor`` defaults to that of the trainer's data module (its store), else 0.18215.
         """
-        from .sampling import DEFAULT_SCALE_FACTOR, decode_latents, is_pixel_space, load_vae
-
         name = self.hparams.vae
         if is_pixel_space(name):
             return decode_latents(latents, None)

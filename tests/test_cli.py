@@ -78,7 +78,7 @@ def test_killed_run_resumes_bit_for_bit(tmp_path):
     uninterrupted run (12 steps, checkpoints every 4, killed after step 10)."""
     run_cli(fit_args(tmp_path, "full", 12), tmp_path)
     killed = run_cli(
-        fit_args(tmp_path, "killed", 12, ["--trainer.callbacks+=tests.cli_helpers.KillAtStep", "--trainer.callbacks.step", "10"]),
+        fit_args(tmp_path, "killed", 12, ["--trainer.callbacks+=tests.helpers.cli.KillAtStep", "--trainer.callbacks.step", "10"]),
         tmp_path,
         check=False,
     )

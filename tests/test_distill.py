@@ -4,7 +4,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dit_lightning.distill import DistillationModule
-from dit_lightning.models.pruning import save_pruned
+from dit_lightning.checkpoints import save_dit as save_pruned
 from dit_lightning.module import DiTModule
 
 from .conftest import TINY_MODULE as TINY, DictDataset

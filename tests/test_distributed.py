@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dit_lightning.distributed import consolidate, is_sharded_checkpoint, memory_per_device
+from dit_lightning.checkpoints import infer_dit_config, is_sharded_checkpoint, load_dit_weights, read_checkpoint
+from dit_lightning.commands.consolidate import consolidate
+from dit_lightning.planner import plan_memory, state_per_device
 from dit_lightning.models import DiT, dit_params, shape_of
-from dit_lightning.models.checkpoint import infer_dit_config, load_dit_weights, read_checkpoint
 from tests.distributed import parity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +181,8 @@ def _digits_of_keyed_samples(store: str, ema: dict[str, torch.Tensor]) -> dict:
     import numpy as np
 
     from dit_lightning.evaluation.digits import digits_metrics, uint8_digit_features
-    from dit_lightning.sampling import parse_labels, to_uint8
+    from dit_lightning.images import to_uint8
+    from dit_lightning.sampling import parse_labels
 
     module, _ = parity.build(store)
     module.ema.load_state_dict(ema)
@@ -263,7 +265,10 @@ def test_consolidated_checkpoint_loads_into_a_plain_dit(runs, tmp_path):
     obj = torch.load(out, map_location="cpu", weights_only=True)
     assert set(obj) == {"model", "ema", "opt", "args"} and obj["args"]["global_step"] == parity.STEPS
     cfg = obj["args"]["model_config"]
-    assert cfg == infer_dit_config(runs["ref"]["model"])
+    # the full architecture: shapes from the weights, the heads the run was configured with
+    # (which the weights cannot show: infer_dit_config alone guesses hidden/64)
+    assert cfg == {**infer_dit_config(runs["ref"]["model"]), "num_heads": obj["args"]["num_heads"]}
+    assert cfg["num_heads"] != infer_dit_config(runs["ref"]["model"])["num_heads"]
     for part in ("model", "ema"):
         net = DiT(**cfg)
         net.load_state_dict(obj[part], strict=True)
@@ -279,7 +284,7 @@ def test_consolidated_checkpoint_loads_into_a_plain_dit(runs, tmp_path):
         torch.testing.assert_close(obj["opt"]["state"][i]["exp_avg"], ref_state[i]["exp_avg"], rtol=0, atol=1e-6)
     # readable by every loader of the project (sampling, init_from, export)
     back = read_checkpoint(out)
-    load_dit_weights(DiT(**cfg), back["ema"])
+    load_dit_weights(DiT(**cfg), back.ema)
     raw = consolidate(str(ckpt), str(tmp_path / "raw.pt"), format="raw")
     raw_sd = torch.load(raw, weights_only=True)
     assert raw_sd.keys() == obj["ema"].keys() and all(torch.equal(raw_sd[k], obj["ema"][k]) for k in raw_sd)
@@ -296,16 +301,25 @@ def test_consolidate_a_single_file_checkpoint_is_an_export(runs, tmp_path):
 # ---- memory model ----------------------------------------------------------------------
 
 
-def test_memory_per_device_shards_as_documented():
+def test_state_per_device_shards_as_documented():
+    """The planner's static state per device (docs/distributed.md's table) for each layout."""
     n = dit_params(shape_of("DiT-XL/2"))
-    ddp = memory_per_device("DiT-XL/2", 8, "ddp")
-    full = memory_per_device("DiT-XL/2", 8, "full_shard")
-    zero2 = memory_per_device("DiT-XL/2", 8, "shard_grad_op")
-    hybrid = memory_per_device("DiT-XL/2", 32, "hybrid_shard", shard_group=8)
+    ddp = state_per_device("DiT-XL/2", 8, "ddp")
+    full = state_per_device("DiT-XL/2", 8, "fsdp", "FULL_SHARD")
+    zero2 = state_per_device("DiT-XL/2", 8, "fsdp", "SHARD_GRAD_OP")
+    hybrid = state_per_device("DiT-XL/2", 32, "fsdp", "FULL_SHARD", shard_group=8)
     assert abs(ddp["params"] - 4 * n / 1024**3) < 1e-9 and abs(ddp["total"] - 20 * n / 1024**3) < 0.01
-    assert abs(full["total"] - ddp["total"] / 8) < 0.01
-    assert zero2["params"] == ddp["params"] and zero2["optimizer"] == full["optimizer"]
+    assert ddp["gathered"] == 0
+    state = ("params", "grads", "optimizer", "ema")
+    assert abs(sum(full[k] for k in state) - sum(ddp[k] for k in state) / 8) < 0.01
+    # SHARD_GRAD_OP shards the state like FULL_SHARD but keeps the whole model gathered (bf16)
+    assert all(zero2[k] == full[k] for k in state) and abs(zero2["gathered"] - 2 * n / 1024**3) < 1e-9
+    assert full["gathered"] < zero2["gathered"] / 5
     assert hybrid == full
+    # the planner's peak uses exactly this state
+    plan = plan_memory("DiT-XL/2", world_size=8, strategy="fsdp", sharding="FULL_SHARD", micro_batch=1)
+    assert plan.optimizer_states / 1024**3 == pytest.approx(full["optimizer"])
+    assert plan.ema_weights / 1024**3 == pytest.approx(full["ema"])
 
 
 # ---- FSDP1 (GPU only in Lightning 2.6) -----------------------------------------------------
@@ -359,7 +373,7 @@ def test_cli_fit_with_the_fsdp2_cpu_profile_then_consolidate(tmp_path):
     assert obj["args"]["global_step"] == 4
     net = DiT(**{**obj["args"]["model_config"], "num_heads": obj["args"]["num_heads"]})
     net.load_state_dict(obj["ema"], strict=True)
-    assert read_checkpoint(tmp_path / "dit.pt")["ema"].keys() == obj["ema"].keys()
+    assert read_checkpoint(tmp_path / "dit.pt").ema.keys() == obj["ema"].keys()
 
 
 def test_consolidate_is_a_command_line_tool(runs, tmp_path):

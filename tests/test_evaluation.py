@@ -14,14 +14,14 @@ from dit_lightning.evaluation.fid import (
     FeatureStats,
     InceptionWeightsMissing,
     compute_metrics,
-    evaluate,
     extract_features,
     find_inception_weights,
     frechet_distance,
     image_batches,
     reference_stats,
 )
-from tests.tiny_features import TinyFeatures
+from dit_lightning.commands.evaluate import evaluate
+from tests.helpers.tiny_features import TinyFeatures
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

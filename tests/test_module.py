@@ -4,9 +4,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from dit_lightning.models import DiT
-from dit_lightning.models.checkpoint import read_checkpoint
+from dit_lightning.checkpoints import export_checkpoint, read_checkpoint
 from dit_lightning.module import DiTModule
-from dit_lightning.export import export_checkpoint
 
 from .conftest import TINY_MODULE as TINY, DictDataset
 
@@ -137,7 +136,7 @@ def test_lightning_checkpoint_loads_weights_only_and_exports_to_reference_format
 
     raw_path = tmp_path / "raw.pt"
     export_checkpoint(str(ckpt), str(raw_path), format="raw")
-    assert read_checkpoint(raw_path)["model"].keys() == plain.state_dict().keys()
+    assert read_checkpoint(raw_path).model.keys() == plain.state_dict().keys()
 
 
 def test_read_checkpoint_refuses_non_dit_and_truncated_files(tmp_path):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dit_lightning.models import build_dit, dit_params, shape_of
-from dit_lightning.planner import GiB, block_activation_terms, param_counts, plan, plan_memory, recommend
+from dit_lightning.commands.plan import plan
+from dit_lightning.planner import GiB, block_activation_terms, param_counts, plan_memory, recommend
 from dit_lightning.planner.measure import TrainingStep, cpu_allocator_peak, measure_cpu_step_peak
 
 SMALL = dict(depth=3, hidden_size=96, num_heads=4, patch_size=2, num_classes=10)

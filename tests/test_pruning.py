@@ -3,20 +3,11 @@ import torch
 
 from dit_lightning.diffusion import create_diffusion
 from dit_lightning.models import DiT, DiTShape, dit_params
-from dit_lightning.models.checkpoint import infer_dit_config, read_checkpoint
-from dit_lightning.models.pruning import (
-    block_importance,
-    checkpoint_dit_config,
-    load_dit,
-    mlp_ratio_for,
-    model_config,
-    prune,
-    prune_depth,
-    prune_heads,
-    prune_mlp,
-    save_pruned,
-    select_blocks,
-)
+from dit_lightning.checkpoints import dit_config_of, infer_dit_config, load_dit, read_checkpoint
+from dit_lightning.checkpoints import save_dit as save_pruned
+from dit_lightning.commands.prune import prune
+from dit_lightning.models import mlp_ratio_for, model_config
+from dit_lightning.models.pruning import block_importance, prune_depth, prune_heads, prune_mlp, select_blocks
 from dit_lightning.module import DiTModule
 
 from .conftest import tiny_dit_kwargs
@@ -129,10 +120,10 @@ def test_pruned_file_saves_and_loads_as_a_dit_of_its_new_shape(tmp_path):
     pruned = prune_mlp(prune_depth(model, [0, 2]), keep_ratio=0.5)
     path = save_pruned(pruned, tmp_path / "pruned.pt", ema=pruned)
     ckpt = read_checkpoint(path)
-    inferred = infer_dit_config(ckpt["model"])
+    inferred = infer_dit_config(ckpt.model)
     assert (inferred["depth"], inferred["mlp_ratio"]) == (2, 2.0)
-    assert checkpoint_dit_config(ckpt) == {**model_config(pruned)}
-    loaded, _ = load_dit(str(path))
+    assert dit_config_of(ckpt)[0] == {**model_config(pruned)}
+    loaded = load_dit(str(path)).net
     x, t, y = inputs()
     assert torch.equal(loaded(x, t, y), pruned(x, t, y))
     # ... and DiTModule fine-tunes it through init_from, configured with the new shape.
@@ -150,10 +141,10 @@ def test_prune_tool_with_calibration(tmp_path):
     src = save_pruned(model, tmp_path / "full.pt", ema=model, extra_args={"num_heads": 4})
     out = prune(src, str(tmp_path / "small.pt"), depth=2, mlp_ratio=1.0, calibration=store, calibration_size=16, calibration_draws=1)
     ckpt = read_checkpoint(out)
-    report = ckpt["args"]["pruning"]
+    report = ckpt.args["pruning"]
     assert len(report["block_importance"]) == 3 and len(report["kept_blocks"]) == 2
     assert report["params_after"] < report["params_before"]
-    small, _ = load_dit(out)
+    small = load_dit(out).net
     assert (small.depth, small.blocks[0].mlp.fc1.out_features, small.num_heads) == (2, 32, 4)
 
 
@@ -161,7 +152,7 @@ def test_head_pruned_file_fine_tunes_through_init_from(tmp_path):
     model = randomized()
     src = save_pruned(model, tmp_path / "full.pt", ema=model)
     out = prune(src, str(tmp_path / "small.pt"), heads=2)
-    small, _ = load_dit(out)
+    small = load_dit(out).net
     assert (small.num_heads, small.blocks[0].attn.head_dim) == (2, 8)
     assert sum(p.numel() for p in small.parameters()) == dit_params(DiTShape.of(small))
     module = DiTModule(

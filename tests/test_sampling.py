@@ -10,18 +10,10 @@ import torch
 
 from dit_lightning.diffusion import create_diffusion
 from dit_lightning.models import DiT
-from dit_lightning.sampling import (
-    build_sampling_diffusion,
-    existing_samples,
-    guided_model_fn,
-    initial_noise,
-    load_model,
-    parse_labels,
-    png_name,
-    sample,
-    sample_latents,
-    write_npz_from_pngs,
-)
+from dit_lightning.checkpoints import load_dit as load_model
+from dit_lightning.commands.sample import sample
+from dit_lightning.images import existing_samples, png_name, write_npz_from_pngs
+from dit_lightning.sampling import build_sampling_diffusion, guided_model_fn, initial_noise, parse_labels, sample_latents
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -161,7 +153,7 @@ def test_reference_and_lightning_checkpoints(tmp_path):
     torch.save({"state_dict": sd, "hyper_parameters": hp}, light)
     got = load_model(str(light))
     assert got.format == "lightning" and got.config["num_heads"] == 4 and got.vae == "none/pixels"
-    assert got.defaults == {"sample_steps": 5, "sampler": "ddim", "cfg_scale": 2.0, "guide_channels": None}
+    assert got.sampling_defaults == {"sample_steps": 5, "sampler": "ddim", "cfg_scale": 2.0, "guide_channels": None}
     torch.testing.assert_close(sample_latents(got.net, y, num_steps=3), sample_latents(ema, y, num_steps=3))
     with pytest.raises(ValueError, match="need a VAE"):  # 4-channel latents cannot be shown as pixels
         sample(str(ref), str(tmp_path / "o"), labels=[1], vae="none/pixels", **FAST)
@@ -218,7 +210,7 @@ def test_sample_and_evaluate_build_command_lines(tmp_path):
     """jsonargparse (which `dit-lightning sample` / `evaluate` use) accepts the signatures."""
     from jsonargparse import CLI
 
-    from dit_lightning.evaluation.fid import evaluate
+    from dit_lightning.commands.evaluate import evaluate
 
     ckpt = _gray_ckpt(tmp_path)
     args = ["--checkpoint", ckpt, "--output", str(tmp_path / "cli"), "--labels", "0-3", "--num_samples", "4",

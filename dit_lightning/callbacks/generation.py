@@ -13,8 +13,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..atomic import write_json
+from ..evaluation.digits import digits_metrics, uint8_digit_features
 from ..evaluation.fid import FeatureStats, build_extractor, check_metrics, find_inception_weights, metrics_from_features, reference_stats
-from ..sampling import LabelPlan, LabelSpec, Sampler, is_pixel_space, parse_labels, to_uint8, write_json_atomic
+from ..images import to_uint8
+from ..sampling import LabelPlan, LabelSpec, Sampler, parse_labels
+from ..vae import is_pixel_space
 
 Metric = Literal["fid", "is", "kid", "digits"]
 Stage = Literal["test", "validate"]
@@ -176,9 +180,7 @@ class GenerationMetrics(L.Callback):
             if self.image_metrics:
                 rgb = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
                 parts["image"].append(self._extractor(rgb.contiguous().to(device)).float())
-            if "digits" in self.metrics:
-                from ..evaluation.digits import uint8_digit_features  # the 8-bit images `evaluate` reads back
-
+            if "digits" in self.metrics:  # from the 8-bit images `evaluate` reads back
                 parts["digits"].append(torch.from_numpy(uint8_digit_features(images)).float().to(device))
         return {k: torch.cat(v) for k, v in parts.items() if v}
 
@@ -205,8 +207,6 @@ class GenerationMetrics(L.Callback):
                 if self._reference is not None:
                     result["num_reference"] = int(self._reference.num_samples)
             if "digits" in gathered:
-                from ..evaluation.digits import digits_metrics
-
                 result["digits"] = digits_metrics(gathered["digits"], plan(np.arange(self.num_samples)).numpy())
         return trainer.strategy.broadcast(result, src=0)
 
@@ -242,9 +242,7 @@ class GenerationMetrics(L.Callback):
             # Identical on every rank (computed on rank 0 and broadcast): no reduction needed.
             pl_module.log(f"{prefix}/{name}", value, sync_dist=False, batch_size=self.num_samples)
         if self.output and trainer.is_global_zero:
-            path = Path(self.output.replace("{stage}", prefix))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, self.last)
+            write_json(Path(self.output.replace("{stage}", prefix)), self.last)
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active("test"):

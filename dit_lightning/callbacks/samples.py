@@ -11,9 +11,9 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from ..distributed import is_sharded
-from ..module import Sampler
-from ..sampling import make_grid_image, save_png
+from ..distributed.sharding import is_sharded
+from ..images import make_grid_image, save_png, save_sample, to_uint8
+from ..sampling import Sampler
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -25,12 +25,9 @@ class PredictionWriter(BasePredictionWriter):
         self.output_dir = Path(output_dir)
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0) -> None:
-        from ..sampling import _atomic_save_image, png_name, to_uint8
-
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         arrays = to_uint8(prediction["images"])
         for i, y, array in zip(prediction["index"].tolist(), prediction["y"].tolist(), arrays):
-            _atomic_save_image(array, self.output_dir / png_name(i, y), tmp_tag=f"rank{trainer.global_rank}")
+            save_sample(array, self.output_dir, i, y)
 
 
 class SampleGrid(L.Callback):

@@ -24,9 +24,27 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from .hardware import device_peak_flops, precision_dtype, tf32_enabled
+from ..planner.hardware import peak_flops_for, tf32_enabled
+from ..precision import DTypeLike, compute_dtype, to_dtype
 
 log = logging.getLogger(__name__)
+
+def device_peak_flops(device: torch.device, precision: DTypeLike) -> Optional[float]:
+    """Peak dense FLOP/s of ``device`` for matmuls at ``precision`` (any spelling, or a dtype): the
+    project's GPU table first (:mod:`dit_lightning.planner.hardware`), then Lightning's
+    :func:`get_available_flops`; None on CPU (no meaningful peak to assume)."""
+    if device.type != "cuda":
+        return None
+    dtype = to_dtype(precision)
+    name = torch.cuda.get_device_name(device)
+    peak = peak_flops_for(name, dtype, tf32=tf32_enabled())
+    if peak is not None:
+        return peak
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    fallback = get_available_flops(device, dtype)
+    return float(fallback) if fallback else None
+
 
 # When the trainer logs nothing (log_every_n_steps=0), still close a window this often so the
 # list of pending CUDA events stays short and the end-of-fit summary has data.
@@ -249,7 +267,8 @@ class DiTThroughputMonitor(FitSummaryPart, L.Callback):
     FLOPs per image come from ``pl_module.flops_per_image()`` = (useful, executed): ``mfu``
     counts the useful forward+backward FLOPs, ``hfu`` also the forward passes that activation
     checkpointing re-runs. The peak is per device for the trainer's precision (see
-    :mod:`dit_lightning.callbacks.hardware`); on CPU, and on GPUs not in the tables, the MFU
+    :func:`device_peak_flops`; the compute dtype is the strategy's ``param_dtype`` when it sets one, see
+    :func:`dit_lightning.precision.compute_dtype`); on CPU, and on GPUs not in the tables, the MFU
     tags are only logged when ``peak_flops`` is given.
 
     Args:
@@ -302,7 +321,7 @@ class DiTThroughputMonitor(FitSummaryPart, L.Callback):
         self._clock = _Clock(device)
         self._reset_state()
         self.fit_stats = {}
-        self.peak_flops = self.peak_flops_override or device_peak_flops(device, trainer.precision)
+        self.peak_flops = self.peak_flops_override or device_peak_flops(device, compute_dtype(trainer))
         flops = getattr(pl_module, "flops_per_image", None)
         if callable(flops):
             value = flops()
@@ -311,7 +330,7 @@ class DiTThroughputMonitor(FitSummaryPart, L.Callback):
             self.flops_per_image = None
         self.tokens_per_image = _tokens_per_image(pl_module)
         if self.peak_flops is None and self.flops_per_image is not None:
-            where = "CPU" if device.type == "cpu" else f"{device} ({precision_dtype(trainer.precision)})"
+            where = "CPU" if device.type == "cpu" else f"{device} ({compute_dtype(trainer)})"
             log.info("no peak FLOP/s known for %s: MFU not logged (pass peak_flops to enable it)", where)
 
     # ---- timing hooks -----------------------------------------------------------------------
@@ -413,7 +432,7 @@ class DiTThroughputMonitor(FitSummaryPart, L.Callback):
         ]
         if "mfu" in s:
             peak = self.peak_flops or 0.0
-            dtype = precision_dtype(trainer.precision)
+            dtype = compute_dtype(trainer)
             on_cuda = trainer.strategy.root_device.type == "cuda"
             kind = "tf32" if dtype == torch.float32 and on_cuda and tf32_enabled() else str(dtype).replace("torch.", "")
             parts.append(f"MFU {_percent(s['mfu'])} HFU {_percent(s['hfu'])} of {peak / 1e12:.4g} TFLOP/s {kind}/device")

@@ -617,7 +617,7 @@ class LatentDataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         """Sample requests ``{"index", "y"}`` for ``DiTModule.predict_step`` (Lightning shards them over ranks)."""
-        from ..sampling import SampleRequests, parse_labels
+        from ..sampling.labels import SampleRequests, parse_labels
 
         plan = parse_labels(self.hparams.predict_labels, self.num_classes, seed=self.seed)
         requests = SampleRequests(range(self.hparams.predict_num_samples), plan)

@@ -5,7 +5,7 @@ of ``world_size`` encodes the shards ``k`` with ``k % world_size == rank`` that 
 disk, every shard is committed atomically, and whichever process finds all shards present
 writes the index (meta.json). Killing a run and starting it again gives the same bytes.
 
-    torchrun --nproc_per_node 8 -m dit_lightning.data.extract --image_root /data/imagenet/train \
+    torchrun --nproc_per_node 8 -m dit_lightning.cli extract --image_root /data/imagenet/train \
         --output data/imagenet256_latents
 
 Runs on the GPU when there is one (``device="auto"``); the VAE stays in float32 by default.
@@ -23,6 +23,8 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
+from ..ranks import resolve_device, resolve_rank
+from ..vae import load_vae
 from . import store as st
 from .preprocessing import BadImage, list_image_folder, preprocess
 from .rng import NoiseKernel
@@ -60,45 +62,6 @@ def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:
         "x": torch.stack(xs) if xs else None,
         "items": [{k: v for k, v in it.items() if k != "x"} for it in items],
     }
-
-
-def _resolve_rank(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from the arguments, torch.distributed or torchrun's env vars."""
-    if rank is None or world_size is None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank() if rank is None else rank
-            world_size = torch.distributed.get_world_size() if world_size is None else world_size
-        else:
-            rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-            world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    return rank, world_size, local_rank
-
-
-def _resolve_device(device: str, local_rank: int) -> torch.device:
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
-        return torch.device("cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-    return dev
-
-
-def _load_vae(vae: str, dtype: torch.dtype, device: torch.device) -> Any:
-    from diffusers import AutoencoderKL
-
-    try:
-        model = AutoencoderKL.from_pretrained(vae, torch_dtype=dtype, low_cpu_mem_usage=False)
-    except Exception as e:
-        raise RuntimeError(
-            f"cannot load the VAE {vae!r} ({type(e).__name__}: {e}). Pass a local directory saved with "
-            "save_pretrained, or a hub id on a machine that can download it (or with it in the HF cache)."
-        ) from e
-    return model.to(device).eval().requires_grad_(False)
 
 
 def _fingerprint(paths: list[str], labels: list[int]) -> str:
@@ -188,7 +151,7 @@ def extract_latents(
         present, seconds, images/s, output size in bytes, and whether the store is finalised.
     """
     t0 = time.perf_counter()
-    rank, world_size, local_rank = _resolve_rank(rank, world_size)
+    rank, world_size, local_rank = resolve_rank(rank, world_size)
     output = os.path.abspath(output)
     if finalize_only:
         meta = st.finalize_store(output)
@@ -204,14 +167,14 @@ def extract_latents(
     if not paths:
         raise FileNotFoundError(f"no images under {image_root} (extensions: jpg, jpeg, png, ...)")
 
-    dev = _resolve_device(device, local_rank)
+    dev = resolve_device(device, local_rank)
     vae_model = None
     if os.path.exists(os.path.join(output, st.PLAN_FILE)):
         # Resume: the shapes come from the plan, and the VAE is loaded only if work is left.
         old = st.load_plan(output)
         latent_shape, sf = old.latent_shape, old.scale_factor
     else:
-        vae_model = _load_vae(vae, getattr(torch, vae_dtype), dev)
+        vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))
         cfg = vae_model.config
         down = 2 ** (len(cfg.block_out_channels) - 1)
         if image_size % down:
@@ -247,7 +210,7 @@ def extract_latents(
 
     if mine:
         if vae_model is None:
-            vae_model = _load_vae(vae, getattr(torch, vae_dtype), dev)
+            vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))
         _encode_shards(
             output, spec, image_root, paths, labels, mine, vae_model, dev, batch_size, num_workers, seed, show, stats,
             label=f"{rank}/{world_size}",
@@ -434,13 +397,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
         c.print(f"skipped files are listed in {summary['report']}")
 
 
-def main() -> None:
-    """``python -m dit_lightning.data.extract`` / ``torchrun -m dit_lightning.data.extract``."""
-    from jsonargparse import CLI
+if __name__ == "__main__":  # the older spelling of `dit-lightning extract` (torchrun -m dit_lightning.data.extract)
+    import sys
+    import warnings
 
-    summary = CLI(extract_latents, as_positional=False)
-    print(json.dumps(summary))
+    from ..cli import main
 
-
-if __name__ == "__main__":
-    main()
+    warnings.warn("`-m dit_lightning.data.extract` is deprecated: use `-m dit_lightning.cli extract`", FutureWarning, stacklevel=1)
+    main(["extract", *sys.argv[1:]])

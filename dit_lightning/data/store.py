@@ -28,6 +28,8 @@ from typing import Any, Literal, Optional, Union
 
 import numpy as np
 
+from ..atomic import save_npy, write_bytes, write_json
+
 FORMAT_NAME = "dit-lightning-latent-store"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -51,65 +53,6 @@ class StoreError(RuntimeError):
 
 class IncompleteStoreError(StoreError):
     """The store's extraction has not finished (shards missing or not finalised)."""
-
-
-# --------------------------------------------------------------------------------------
-# Atomic file writes
-# --------------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: str) -> None:
-    # The rename itself lives in the directory entry: sync it so it survives a power cut.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str, write_fn: Any) -> None:
-    """Write through ``write_fn(fileobj)`` into a unique temporary name, fsync, rename into place.
-
-    A reader (or a resumed run) therefore sees either the old file, or the complete new
-    one, never a prefix. Concurrent writers of identical content are harmless.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a store is usually shared
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(directory)
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Atomically replace ``path`` with ``data``."""
-    _atomic_write(path, lambda f: f.write(data))
-
-
-def atomic_write_json(path: str, obj: Any) -> None:
-    """Atomically write ``obj`` as indented, key-sorted JSON (deterministic bytes)."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
-
-
-def atomic_save_npy(path: str, array: np.ndarray) -> None:
-    """Atomically write ``array`` as a .npy file."""
-    _atomic_write(path, lambda f: np.save(f, np.ascontiguousarray(array), allow_pickle=False))
 
 
 # --------------------------------------------------------------------------------------
@@ -218,7 +161,7 @@ def write_plan(root: PathLike, spec: StoreSpec) -> StoreSpec:
             )
         return old
     os.makedirs(os.path.join(root, SHARD_DIR), exist_ok=True)
-    atomic_write_json(path, {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **spec.to_json()})
+    write_json(path, {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **spec.to_json()}, indent=1)
     return spec
 
 
@@ -295,10 +238,10 @@ def write_shard(
     if len(sources) != n:
         raise ValueError(f"shard {k}: {len(sources)} sources for {n} samples")
     data_path, labels_path, record_path = _shard_paths(root, k)
-    atomic_save_npy(data_path, data)
+    save_npy(data_path, data)
     if after_data_hook is not None:
         after_data_hook()  # test hook: simulate a crash between data and commit record
-    atomic_save_npy(labels_path, np.asarray(labels, dtype=np.int32))
+    save_npy(labels_path, np.asarray(labels, dtype=np.int32))
     record = {
         "shard": k,
         "count": n,
@@ -311,7 +254,7 @@ def write_shard(
         "sources": list(sources),
         "report": list(report),
     }
-    atomic_write_json(record_path, record)
+    write_json(record_path, record, indent=1)
     return record
 
 
@@ -362,12 +305,12 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
     for k in range(spec.num_shards):
         labels.append(np.load(_shard_paths(root, k)[1]))
     all_labels = np.concatenate(labels).astype(np.int32) if labels else np.zeros(0, np.int32)
-    atomic_save_npy(os.path.join(root, LABELS_FILE), all_labels)
-    atomic_write_bytes(
+    save_npy(os.path.join(root, LABELS_FILE), all_labels)
+    write_bytes(
         os.path.join(root, SOURCES_FILE), "".join(s + "\n" for r in records for s in r["sources"]).encode()
     )
     report = [e for r in records for e in r["report"]]
-    atomic_write_bytes(
+    write_bytes(
         os.path.join(root, REPORT_FILE), "".join(json.dumps(e, sort_keys=True) + "\n" for e in report).encode()
     )
     count = int(sum(r["count"] for r in records))
@@ -389,7 +332,7 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
         "labels_file": LABELS_FILE,
         "labels_dtype": "int32",
     }
-    atomic_write_json(os.path.join(root, META_FILE), meta)
+    write_json(os.path.join(root, META_FILE), meta, indent=1)
     return meta
 
 

@@ -18,6 +18,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..images import existing_samples, load_png_rgb, sample_labels
+from .fid import frechet_distance
+
 
 def train_digit_classifier(seed: int = 0) -> tuple[Any, float]:
     """An RBF SVC on 90% of the real digits; returns it and its held-out accuracy."""
@@ -57,8 +60,6 @@ def digits_frechet(generated: np.ndarray, clf: Any = None, seed: int = 0) -> dic
     The real digits are split in two fixed halves: A is the reference, and a subset of B of
     the generated set's size (at most |B|) gives the baseline distance of real data to A.
     """
-    from .fid import frechet_distance
-
     real = _real_digit_features()
     perm = np.random.default_rng(seed).permutation(len(real))
     ref, other = real[perm[: len(real) // 2]], real[perm[len(real) // 2 :]]
@@ -97,14 +98,12 @@ def digits_metrics(features: np.ndarray, labels: np.ndarray, clf: Any = None, re
 
 def digits_metrics_from_samples(samples_dir: str, limit: Optional[int] = None) -> dict[str, Any]:
     """:func:`digits_metrics` of a ``dit-lightning sample`` output (labels from the file names)."""
-    from ..sampling import existing_samples, load_png_rgb
-
     found = existing_samples(samples_dir)
     indices = sorted(found)[:limit]
     if not indices:
         raise FileNotFoundError(f"no sample PNGs in {samples_dir}")
     images = torch.from_numpy(np.stack([load_png_rgb(found[i])[..., 0] for i in indices]))[:, None]  # uint8 (N, 1, H, W)
-    labels = np.array([int(found[i].name.split("-c")[1].split(".")[0]) for i in indices])
+    labels = sample_labels([found[i] for i in indices])
     return digits_metrics(uint8_digit_features(images), labels)
 
 

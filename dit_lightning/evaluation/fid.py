@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..sampling import LabelSpec, Precision, Sampler, Weights
+from ..atomic import save_npz
+
 
 # What torchmetrics (through torch-fidelity) loads; the same converted TF weights are also
 # published by pytorch-fid as pt_inception-2015-12-05-6726825d.pth (same state-dict keys).
@@ -150,19 +151,11 @@ class FeatureStats:
 
     def save(self, path: Union[str, Path], meta: Optional[dict[str, Any]] = None) -> Path:
         """Atomic ``.npz`` with ``mu``, ``sigma`` (ADM's keys), ``num_samples`` and ``meta`` (JSON)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         arrays: dict[str, Any] = {"mu": self.mu, "sigma": self.sigma, "num_samples": np.int64(self.num_samples)}
         if self.features is not None:
             arrays["features"] = self.features
         arrays["meta"] = np.frombuffer(json.dumps(meta or {}).encode(), dtype=np.uint8)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return path
+        return save_npz(path, **arrays)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "FeatureStats":
@@ -238,7 +231,8 @@ def _store_batches(path: Path, batch_size: int, limit: Optional[int], device: st
     """A latent store decoded to uint8 images (posterior means, unflipped)."""
     from ..data.rng import to_float32
     from ..data.store import LatentStore
-    from ..sampling import decode_latents, is_pixel_space, load_vae, to_uint8
+    from ..images import to_uint8
+    from ..vae import decode_latents, is_pixel_space, load_vae
 
     store = LatentStore(path)
     vae = None if is_pixel_space(store.spec.vae) else load_vae(store.spec.vae, device)
@@ -487,86 +481,3 @@ def compute_metrics(
         result["num_reference"] = int(ref.num_samples)
     result.update(metrics_from_features(fake, wanted, ref, dim, kid_subset_size))
     return result
-
-
-# --------------------------------------------------------------------------------------
-# Sample, then measure
-# --------------------------------------------------------------------------------------
-
-
-def evaluate(
-    checkpoint: str,
-    output: str,
-    reference: Optional[str] = None,
-    num_samples: int = 50_000,
-    metrics: list[str] = ["fid"],  # noqa: B006 - jsonargparse needs a plain default
-    inception_weights: Optional[str] = None,
-    feature_extractor: Optional[nn.Module] = None,
-    antialias: bool = False,
-    cache_dir: Optional[str] = "auto",
-    image_size: Optional[int] = None,
-    max_reference: Optional[int] = None,
-    labels: LabelSpec = "random",
-    sampler: Optional[Sampler] = None,
-    num_steps: Optional[int] = None,
-    eta: float = 0.0,
-    cfg_scale: Optional[float] = None,
-    guide_channels: Optional[int] = None,
-    seed: int = 0,
-    batch_size: int = 32,
-    precision: Precision = "fp32",
-    weights: Weights = "ema",
-    vae: Optional[str] = None,
-    device: str = "auto",
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
-    progress: bool = True,
-) -> Optional[dict[str, Any]]:
-    """Sample ``num_samples`` images (resumable, distributed: see ``dit-lightning sample``) and
-    measure them: FID / IS / KID with torchmetrics, and "digits" (classifier accuracy and
-    Fréchet distances in offline feature spaces, for the digits demo). Writes
-    ``output/metrics.json``; returns the metrics on the process that computed them.
-
-    ``reference``: an image folder, a latent store (decoded), an ``.npz`` of images (``arr_0``)
-    or of statistics (``mu``/``sigma``, e.g. ADM's ``VIRTUAL_imagenet256_labeled.npz``).
-    ``inception_weights``: the local InceptionV3 weights file (offline machines).
-    The Inception and reference settings are checked before sampling starts.
-    """
-    from ..sampling import sample as run_sampling
-    from ..sampling import write_json_atomic
-
-    wanted = [m.lower() for m in metrics]
-    inception_needed = any(m in wanted for m in ("fid", "is", "kid")) and feature_extractor is None
-    if inception_needed:
-        find_inception_weights(inception_weights)  # fail now, not after hours of sampling
-    if reference is not None and not os.path.exists(reference):
-        raise FileNotFoundError(f"reference {reference} does not exist")
-    result = run_sampling(
-        checkpoint, output, num_samples=num_samples, labels=labels, sampler=sampler, num_steps=num_steps, eta=eta,
-        cfg_scale=cfg_scale, guide_channels=guide_channels, seed=seed, batch_size=batch_size, precision=precision,
-        weights=weights, vae=vae, device=device, rank=rank, world_size=world_size, progress=progress,
-    )  # fmt: skip
-    if not result["complete"]:
-        return None  # another rank finishes the set and measures it
-    dev = str(torch.device("cuda", 0) if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
-    samples_dir = result["samples_dir"]
-    out: dict[str, Any] = {"samples": result["npz"] or samples_dir, "reference": reference}
-    image_metrics = [m for m in wanted if m != "digits"]
-    if image_metrics:
-        out.update(
-            compute_metrics(
-                samples_dir, reference, image_metrics, inception_weights, feature_extractor, antialias, cache_dir,
-                image_size=image_size, max_samples=num_samples, max_reference=max_reference, device=dev,
-            )  # fmt: skip
-        )
-    if "digits" in wanted:
-        from .digits import digits_metrics_from_samples
-
-        out["digits"] = digits_metrics_from_samples(samples_dir, limit=num_samples)
-    config = json.loads((Path(output) / "sample_config.json").read_text())
-    out["sampling"] = {k: config[k] for k in ("sampler", "num_steps", "cfg_scale", "guide_channels", "seed", "weights", "vae")}
-    write_json_atomic(Path(output) / "metrics.json", out)
-    if progress:
-        shown = {k: v for k, v in out.items() if k in ("fid", "is", "kid", "num_samples", "num_reference")}
-        print(f"metrics: {json.dumps(shown)} -> {Path(output) / 'metrics.json'}")
-    return out

@@ -18,12 +18,11 @@ What is removed is chosen by a stated importance score:
 A channel or head whose output weights are zero scores zero, so it is removed first and its
 removal leaves the outputs exactly unchanged.
 
-Pure PyTorch (no Lightning). The ``prune`` function is the ``dit-lightning prune`` tool.
+Pure PyTorch (no Lightning); ``dit-lightning prune`` (:mod:`dit_lightning.commands.prune`) drives it.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
@@ -31,149 +30,24 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import StateDict, atomic_torch_save, infer_dit_config, read_checkpoint, to_reference_format
-from .dit import DiT, dit_config
+from .config import build_from_config, mlp_ratio_for, model_config
+from .dit import DiT
+
+StateDict = dict[str, Tensor]
 
 Criterion = Literal["l1", "l2"]
-
-# DiT constructor arguments that define the architecture (activation checkpointing does not).
-_ARCH_KEYS = (
-    "input_size",
-    "patch_size",
-    "in_channels",
-    "hidden_size",
-    "depth",
-    "num_heads",
-    "mlp_ratio",
-    "class_dropout_prob",
-    "num_classes",
-    "learn_sigma",
-    "qk_norm",
-)
-
-
-# --------------------------------------------------------------------------------------
-# Configurations: of a live model, of a checkpoint, and building a model from one
-# --------------------------------------------------------------------------------------
-
-
-def model_config(model: DiT) -> dict[str, Any]:
-    """The constructor arguments that rebuild ``model``'s architecture (``attn_dim``, the width
-    of q/k/v, only when it differs from ``hidden_size``, i.e. after head pruning)."""
-    attn = model.blocks[0].attn if len(model.blocks) else None
-    cfg: dict[str, Any] = {
-        "input_size": model.input_size,
-        "patch_size": model.patch_size,
-        "in_channels": model.in_channels,
-        "hidden_size": model.hidden_size,
-        "depth": len(model.blocks),
-        "num_heads": model.num_heads,
-        "mlp_ratio": mlp_ratio_for(model.hidden_size, model.blocks[0].mlp.fc1.out_features) if len(model.blocks) else model.mlp_ratio,
-        "class_dropout_prob": model.class_dropout_prob,
-        "num_classes": model.num_classes,
-        "learn_sigma": model.learn_sigma,
-        "qk_norm": attn is not None and isinstance(attn.q_norm, nn.LayerNorm),
-    }
-    if attn is not None and attn.num_heads * attn.head_dim != model.hidden_size:
-        cfg["attn_dim"] = int(attn.num_heads * attn.head_dim)
-    return cfg
-
-
-def build_from_config(cfg: dict[str, Any], device: Any = None, dtype: Optional[torch.dtype] = None) -> DiT:
-    """A freshly initialised DiT of configuration ``cfg`` (as :func:`model_config` returns,
-    ``attn_dim`` of head-pruned models included)."""
-    cfg = {k: v for k, v in cfg.items() if k in _ARCH_KEYS or k in ("activation_checkpointing", "attn_dim")}
-    return DiT(**cfg).to(device=device, dtype=dtype)
-
 
 def _rebuild(model: DiT, cfg: dict[str, Any], sd: StateDict) -> DiT:
     """The new model of configuration ``cfg`` holding ``sd``, on ``model``'s device and dtype,
     in ``model``'s train/eval mode."""
     p = next(model.parameters())
-    with torch.device("meta"):
-        new = build_from_config(cfg)
     # Built on meta and allocated empty: no time spent initialising weights that the strict
     # load (pos_embed included) overwrites anyway.
-    new = new.to_empty(device=p.device).to(p.dtype)
+    new = build_from_config(cfg, device=p.device, dtype=p.dtype, empty=True)
     new.load_state_dict(sd, strict=True)
     new.requires_grad_(True)
     new.pos_embed.requires_grad_(False)
     return new.train(model.training)
-
-
-def checkpoint_dit_config(ckpt: dict[str, Any], sd: Optional[StateDict] = None) -> dict[str, Any]:
-    """The architecture of a checkpoint read by :func:`read_checkpoint`.
-
-    Shapes come from the weights (:func:`infer_dit_config`); what weights cannot tell comes
-    from the recorded arguments when there are any: ``num_heads`` (Lightning hyper-parameters,
-    :func:`save_pruned`), else the heads of the named ``model``, else ``args["model_config"]``
-    (``dit-lightning export``); likewise ``class_dropout_prob``. The number of heads matters:
-    it changes the outputs without changing any shape.
-    """
-    sd = sd if sd is not None else ckpt["model"]
-    cfg = infer_dit_config(sd)
-    # fc1 rows / hidden can round below the exact ratio (e.g. 61 / 56): DiT would build one
-    # channel fewer from it, so take the ratio that rebuilds the stored width.
-    cfg["mlp_ratio"] = mlp_ratio_for(cfg["hidden_size"], sd["blocks.0.mlp.fc1.weight"].shape[0])
-    inner = sd["blocks.0.attn.qkv.weight"].shape[0] // 3 if "blocks.0.attn.qkv.weight" in sd else cfg["hidden_size"]
-    args = ckpt.get("args") or {}
-    recorded = args.get("model_config") if isinstance(args.get("model_config"), dict) else {}
-    # Heads: a top-level num_heads is what the run was configured with (Lightning hparams, or
-    # save_pruned); a named model implies its heads; a recorded model_config comes last since
-    # `export` fills it from infer_dit_config, which can only guess heads.
-    heads: Optional[int] = None
-    if args.get("num_heads"):
-        heads = int(args["num_heads"])
-    elif isinstance(args.get("model"), str) and args["model"] != "custom":
-        try:
-            heads = dit_config(args["model"])["num_heads"]
-        except ValueError:
-            heads = None
-    if heads is None and recorded.get("num_heads"):
-        heads = int(recorded["num_heads"])
-    dropout = args.get("class_dropout_prob", recorded.get("class_dropout_prob"))
-    if dropout is not None:
-        cfg["class_dropout_prob"] = float(dropout)
-    if cfg["class_dropout_prob"] == 0.0:
-        # No null row in the label table then: num_classes = rows (infer assumed rows - 1).
-        cfg["num_classes"] = sd["y_embedder.embedding_table.weight"].shape[0]
-    if heads is not None:
-        cfg["num_heads"] = heads
-    elif inner != cfg["hidden_size"] and "attn_dim" not in cfg:  # guess as infer_dit_config does
-        cfg["num_heads"] = max(1, inner // 64)
-    if inner != cfg["hidden_size"]:
-        if inner % cfg["num_heads"]:
-            raise ValueError(f"attention width {inner} is not divisible by num_heads {cfg['num_heads']}")
-        cfg["attn_dim"] = inner
-    return cfg
-
-
-def load_dit(path: str, weights: Literal["ema", "model"] = "ema") -> tuple[DiT, dict[str, Any]]:
-    """(model, checkpoint) for any supported checkpoint, its architecture recovered with
-    :func:`checkpoint_dit_config`; ``weights="ema"`` falls back to the raw weights if the file
-    has no EMA. The model is in eval mode."""
-    ckpt = read_checkpoint(path)
-    sd = ckpt["ema"] if weights == "ema" and ckpt["ema"] else ckpt["model"]
-    cfg = checkpoint_dit_config(ckpt, sd)
-    with torch.device("meta"):
-        model = build_from_config(cfg)
-    model = model.to_empty(device="cpu")
-    model.load_state_dict(sd, strict=True)
-    model.pos_embed.requires_grad_(False)
-    return model.eval(), ckpt
-
-
-def save_pruned(
-    model: DiT, path: str, ema: Optional[DiT] = None, extra_args: Optional[dict[str, Any]] = None
-) -> str:
-    """Write ``model`` in the reference format ``{model, ema, args}`` with its configuration in
-    ``args["model_config"]`` (what :func:`checkpoint_dit_config` reads back) and the flat DiT
-    arguments (``depth``, ``mlp_ratio``...) next to it, so ``init_from`` and ``export`` read it."""
-    cfg = model_config(model)
-    args: dict[str, Any] = {"model": "custom", **cfg, "model_config": cfg, **(extra_args or {})}
-    ema_sd = ema.state_dict() if ema is not None else None
-    atomic_torch_save(to_reference_format(model.state_dict(), ema_sd, args=args), path)
-    return str(path)
 
 
 # --------------------------------------------------------------------------------------
@@ -323,17 +197,6 @@ def mlp_activation_scores(model: DiT, diffusion: Any, batch: dict[str, Tensor], 
     return [(s / max(count[0], 1)).float() * b.mlp.fc2.weight.detach().float().abs().sum(0).cpu() for s, b in zip(sums, model.blocks)]
 
 
-def mlp_ratio_for(hidden_size: int, channels: int) -> float:
-    """A float ``r`` with ``int(hidden_size * r) == channels`` exactly (what DiT and
-    ``infer_dit_config`` compute), nudged by an ulp where ``channels / hidden_size`` rounds low."""
-    r = channels / hidden_size
-    while int(hidden_size * r) < channels:
-        r = math.nextafter(r, math.inf)
-    if int(hidden_size * r) != channels:
-        raise ValueError(f"no mlp_ratio gives {channels} channels at hidden_size {hidden_size}")
-    return r
-
-
 def prune_mlp(
     model: DiT,
     keep_ratio: Optional[float] = None,
@@ -428,139 +291,15 @@ def prune_heads(
     return _rebuild(model, cfg, sd)
 
 
-# --------------------------------------------------------------------------------------
-# The tool
-# --------------------------------------------------------------------------------------
-
-
-def load_calibration_batch(path: str, size: int = 256, seed: int = 0) -> dict[str, Tensor]:
-    """``size`` random samples of a latent store (posterior means, scaled, unflipped), as a
-    training batch dict."""
-    import numpy as np
-
-    from ..data.datamodule import LatentBatchDataset
-
-    ds = LatentBatchDataset(path, train=False)
-    n = len(ds)
-    idx = np.sort(np.random.default_rng(seed).permutation(n)[: min(size, n)])
-    return ds.get_batch(idx)
-
-
-def prune(
-    checkpoint: str,
-    output: str,
-    depth: Optional[int] = None,
-    mlp_ratio: Optional[float] = None,
-    heads: Optional[int] = None,
-    calibration: Optional[str] = None,
-    calibration_size: int = 256,
-    calibration_draws: int = 4,
-    criterion: Literal["l1", "l2", "activation"] = "l1",
-    keep_blocks: Optional[list[int]] = None,
-    weights: Literal["ema", "model"] = "ema",
-    multiple_of: int = 1,
-    noise_schedule: Optional[str] = None,
-    diffusion_steps: Optional[int] = None,
-    seed: int = 0,
-) -> str:
-    """Prune a DiT checkpoint into a smaller DiT and write it in the reference format.
-
-    Args:
-        checkpoint: any supported checkpoint (Lightning, reference ``{model, ema, args}``, raw).
-        output: the ``.pt`` file to write; ``init_from`` it to fine-tune (docs/shrinking.md).
-        depth: keep this many blocks: the most important by :func:`block_importance` on the
-            calibration store; evenly spaced ones when there is no calibration data.
-        mlp_ratio: new MLP width ``int(hidden_size * mlp_ratio)`` (the original is 4.0).
-        heads: attention heads to keep per block (head dim unchanged).
-        calibration: a latent store (e.g. ``data/digits``) for the data-aware scores.
-        calibration_size, calibration_draws: samples, and timestep/noise draws per sample.
-        criterion: channel/head score: weight norms ``l1``/``l2``; ``activation`` (MLP only,
-            needs calibration) mean |activation| times the L1 norm of the channel's fc2 column.
-        keep_blocks: explicit block indices to keep (instead of ``depth``).
-        weights: prune the EMA weights (default) or the raw ones; the pruned weights are
-            written as both ``model`` and ``ema``, ready to fine-tune.
-        noise_schedule, diffusion_steps: of the calibration loss; default the checkpoint's.
-        seed: of the calibration subset, timesteps and noise.
-    Returns the output path.
-    """
-    from ..diffusion import create_diffusion
-    from .flops import DiTShape, dit_macs
-
-    model, ckpt = load_dit(checkpoint, weights=weights)
-    args = ckpt.get("args") or {}
-    diffusion = create_diffusion(
-        "",
-        noise_schedule=noise_schedule or args.get("noise_schedule") or "linear",
-        learn_sigma=model.learn_sigma,
-        diffusion_steps=diffusion_steps or args.get("diffusion_steps") or 1000,
-    )
-    batch = load_calibration_batch(calibration, calibration_size, seed) if calibration else None
-    report: dict[str, Any] = {"pruned_from": str(checkpoint), "weights": weights, "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    params_before = sum(p.numel() for p in model.parameters())
-    macs_before = dit_macs(DiTShape.of(model))
-    if batch is not None:
-        inputs = calibration_inputs(batch, diffusion.num_timesteps, calibration_draws, seed)
-        report["calibration_loss_before"] = calibration_loss(model, diffusion, inputs)
-
-    if keep_blocks is not None or (depth is not None and depth < len(model.blocks)):
-        scores = None
-        if keep_blocks is None and batch is not None:
-            scores = block_importance(model, diffusion, batch, draws=calibration_draws, seed=seed)
-            report["block_importance"] = [round(float(s), 6) for s in scores]
-        kept = select_blocks(len(model.blocks), keep_blocks if keep_blocks is not None else depth, scores)
-        report["kept_blocks"] = kept
-        model = prune_depth(model, kept)
-    if heads is not None and heads < model.num_heads:
-        model = prune_heads(model, heads, criterion="l1" if criterion == "activation" else criterion)
-    if mlp_ratio is not None:
-        channels = int(model.hidden_size * mlp_ratio)
-        if channels < model.blocks[0].mlp.fc1.out_features:
-            if criterion == "activation":
-                if batch is None:
-                    raise ValueError("criterion='activation' needs calibration data")
-                mlp_scores = mlp_activation_scores(model, diffusion, batch, draws=calibration_draws, seed=seed)
-            else:
-                mlp_scores = mlp_channel_scores(model, criterion)
-            model = prune_mlp(model, keep_channels=channels, scores=mlp_scores, multiple_of=multiple_of)
-    if batch is not None:
-        report["calibration_loss_after"] = calibration_loss(model, diffusion, inputs)
-    report.update(
-        params_before=params_before,
-        params_after=sum(p.numel() for p in model.parameters()),
-        gmacs_before=macs_before / 1e9,
-        gmacs_after=dit_macs(DiTShape.of(model)) / 1e9,
-    )
-    carry = {k: args[k] for k in ("noise_schedule", "diffusion_steps", "learn_sigma") if k in args}
-    save_pruned(model, output, ema=model, extra_args={**carry, "pruning": report})
-    cfg = model_config(model)
-    print(
-        f"pruned {checkpoint} -> {output}: depth {cfg['depth']}, mlp_ratio {cfg['mlp_ratio']:.4g}, heads {cfg['num_heads']}; "
-        f"{report['params_before'] / 1e6:.3f}M -> {report['params_after'] / 1e6:.3f}M parameters"
-        + (
-            f"; calibration loss {report['calibration_loss_before']:.4f} -> {report['calibration_loss_after']:.4f}"
-            if "calibration_loss_after" in report
-            else ""
-        )
-    )
-    return str(output)
-
-
 __all__ = [
     "block_importance",
-    "build_from_config",
     "calibration_inputs",
     "calibration_loss",
-    "checkpoint_dit_config",
     "head_scores",
-    "load_dit",
     "mlp_activation_scores",
     "mlp_channel_scores",
-    "mlp_ratio_for",
-    "model_config",
-    "prune",
     "prune_depth",
     "prune_heads",
     "prune_mlp",
-    "save_pruned",
     "select_blocks",
 ]

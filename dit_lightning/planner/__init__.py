@@ -8,9 +8,9 @@ checkpointing and strategy for the fastest configuration that fits, ``plan(...)`
 """
 
 from .hardware import GPUS, GPUSpec, gpu_spec
-from .memory import GiB, MemoryPlan, block_activation_terms, param_counts, plan_memory
+from .memory import GiB, MemoryPlan, block_activation_terms, param_counts, plan_memory, state_per_device
 from .recommend import Candidate, Recommendation, estimate_step_time, recommend
-from .report import plan, render_memory, render_recommendation
+from .report import render_memory, render_recommendation
 
 __all__ = [
     "GPUS",
@@ -23,9 +23,9 @@ __all__ = [
     "estimate_step_time",
     "gpu_spec",
     "param_counts",
-    "plan",
     "plan_memory",
     "recommend",
     "render_memory",
     "render_recommendation",
+    "state_per_device",
 ]

@@ -256,6 +256,51 @@ def _optimizer_bytes(name: str, trainable: int) -> tuple[int, str]:
     raise ValueError(f"unknown optimizer '{name}': adamw, adamw8bit or sgd")
 
 
+def _state_bytes(pc: dict[str, int], shards: int, optimizer: str, ema: bool) -> dict[str, int]:
+    """fp32 weights, fp32 gradients, optimiser states and the fp32 EMA held between steps,
+    each divided by the number of ranks that shard them (1: replicated)."""
+    return {
+        "params": 4 * pc["total"] // shards,
+        "grads": 4 * pc["trainable"] // shards,
+        "optimizer": _optimizer_bytes(optimizer, pc["trainable"])[0] // shards,
+        "ema": (4 * pc["total"] // shards) if ema else 0,
+    }
+
+
+def _gathered_bytes(pc: dict[str, int], param_bytes: int, sharding: str) -> int:
+    """Unsharded parameters FSDP holds during forward and backward, in the compute dtype."""
+    if sharding == "FULL_SHARD":
+        # the current and the prefetched block, and the root module (embeddings, final layer)
+        return param_bytes * (2 * pc["block"] + pc["head"] + pc["tail"] + pc["pos_embed"])
+    return param_bytes * pc["total"]  # SHARD_GRAD_OP: unsharded from forward until the end of backward
+
+
+def state_per_device(
+    model: str = "DiT-XL/2",
+    world_size: int = 8,
+    strategy: Strategy = "fsdp",
+    sharding: Sharding = "FULL_SHARD",
+    shard_group: Optional[int] = None,
+    precision: Precision = "bf16-mixed",
+    optimizer: OptimizerName = "adamw",
+    ema: bool = True,
+) -> dict[str, float]:
+    """GiB per device of the state :func:`plan_memory` counts between steps (weights, gradients,
+    optimiser states, EMA) and of the parameters FSDP gathers during a step, without activations.
+
+    DDP replicates everything; FSDP FULL_SHARD / SHARD_GRAD_OP shard the state over the ranks
+    (over ``shard_group`` ranks with hybrid sharding); SHARD_GRAD_OP keeps the whole model
+    gathered, in the compute dtype, from the forward to the end of the backward.
+    """
+    pc = param_counts(shape_of(model))
+    fsdp = strategy == "fsdp" and world_size > 1
+    shards = (shard_group or world_size) if fsdp else 1
+    out = {k: v / GiB for k, v in _state_bytes(pc, shards, optimizer, ema).items()}
+    out["gathered"] = _gathered_bytes(pc, 4 if precision == "32-true" else 2, sharding) / GiB if fsdp else 0.0
+    out["total"] = sum(out.values())
+    return out
+
+
 def plan_memory(
     model: str = "DiT-XL/2",
     latent_size: int = 32,
@@ -282,6 +327,7 @@ def plan_memory(
     learn_sigma: bool = True,
     mlp_ratio: float = 4.0,
     ddp_gradient_as_bucket_view: bool = False,
+    shard_group: Optional[int] = None,
 ) -> MemoryPlan:
     """Predict the per-GPU peak memory of one training step of a DiT.
 
@@ -306,6 +352,8 @@ def plan_memory(
         device: ``cuda`` adds the CUDA context, workspaces and allocator headroom;
             ``cpu`` predicts what the CPU allocator sees (used to validate the model).
         ddp_gradient_as_bucket_view: DDP option that removes the bucket copy of the gradients.
+        shard_group: FSDP hybrid sharding (HSDP): shard within groups of this many ranks (the
+            GPUs of a node) and replicate across groups; None shards over all ranks.
     """
     shape = shape_of(
         model,
@@ -334,31 +382,25 @@ def plan_memory(
     k = _resolve_checkpoint(activation_checkpointing, shape.depth)
     fsdp = strategy == "fsdp" and world_size > 1
     ddp = strategy == "ddp" and world_size > 1
-    w = world_size if fsdp else 1
+    if shard_group is not None and (shard_group < 1 or world_size % shard_group):
+        raise ValueError(f"shard_group {shard_group} must divide world_size {world_size}")
+    w = (shard_group or world_size) if fsdp else 1  # HSDP shards within groups of shard_group ranks
     fused = (device == "cuda") if fused_optimizer is None else bool(fused_optimizer)
     if optimizer != "adamw":
         fused = False
 
     pc = param_counts(shape)
     p_all, p_train, p_blk = pc["total"], pc["trainable"], pc["block"]
-    opt_full, opt_note = _optimizer_bytes(optimizer, p_train)
+    _, opt_note = _optimizer_bytes(optimizer, p_train)
 
     # ---- static state (sharded by FSDP) -------------------------------------------------
-    params = 4 * p_all // w
-    grads_full = 4 * p_train // w
-    opt_states = opt_full // w
-    ema_bytes = (4 * p_all // w) if ema else 0
+    state = _state_bytes(pc, w, optimizer, ema)
+    params, grads_full, opt_states, ema_bytes = state["params"], state["grads"], state["optimizer"], state["ema"]
     g_blk = 4 * p_blk // w
     g_tail = 4 * pc["tail"] // w
     buckets = 4 * p_train if (ddp and not ddp_gradient_as_bucket_view) else 0
     pb = 2 if mixed else 4  # FSDP's unsharded parameter dtype (Lightning: param_dtype follows precision)
-    if fsdp and sharding == "FULL_SHARD":
-        # the current and the prefetched block, and the root module (embeddings, final layer)
-        working = pb * (2 * p_blk + pc["head"] + pc["tail"] + pc["pos_embed"])
-    elif fsdp:
-        working = pb * p_all  # SHARD_GRAD_OP: unsharded from forward until the end of backward
-    else:
-        working = 0
+    working = _gathered_bytes(pc, pb, sharding) if fsdp else 0
 
     # ---- activations ----------------------------------------------------------------------
     blk_terms = block_activation_terms(shape, n, mixed, attn, device)

@@ -17,8 +17,9 @@ from dit_lightning.data import LatentDataModule, prepare_digits
 from dit_lightning.evaluation.digits import digits_metrics, uint8_digit_features
 from dit_lightning.evaluation.fid import InceptionWeightsMissing
 from dit_lightning.module import DiTModule
-from dit_lightning.sampling import parse_labels, to_uint8
-from tests.tiny_features import TinyFeatures
+from dit_lightning.images import to_uint8
+from dit_lightning.sampling import parse_labels
+from tests.helpers.tiny_features import TinyFeatures
 
 N, STEPS = 23, 3  # an odd count: the last batch is short
 

@@ -15,7 +15,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from dit_lightning.callbacks.config_logger import TensorBoardConfigLogger
-from dit_lightning.callbacks.hardware import PEAK_FLOPS, device_key, device_peak_flops, peak_flops_for, precision_dtype
+from dit_lightning.callbacks.throughput import device_peak_flops
+from dit_lightning.planner.hardware import PEAK_FLOPS, device_key, peak_flops_for
+from dit_lightning.precision import to_dtype as precision_dtype
 from dit_lightning.callbacks.memory import GPUMemoryMonitor
 from dit_lightning.callbacks.throughput import DiTThroughputMonitor, window_metrics
 from dit_lightning.module import DiTModule

@@ -21,7 +21,7 @@ from dit_lightning.data.datamodule import (
     split_indices,
 )
 from dit_lightning.data.rng import NoiseKernel, flip_bits
-from dit_lightning.data.testing import make_random_store
+from tests.helpers.data import make_random_store
 
 SHAPE = (4, 4, 4)
 

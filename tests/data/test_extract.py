@@ -12,7 +12,7 @@ import torch
 from dit_lightning.data import store as st
 from dit_lightning.data.extract import EXIT_AFTER_ENV, extract_latents
 from dit_lightning.data.preprocessing import adm_center_crop, preprocess
-from dit_lightning.data.testing import make_image_folder, make_tiny_vae
+from tests.helpers.data import make_image_folder, make_tiny_vae
 
 ARGS = dict(image_size=32, batch_size=2, shard_size=4, num_workers=0, progress=False)
 

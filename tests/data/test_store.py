@@ -12,7 +12,7 @@ import torch
 
 from dit_lightning.data import store as st
 from dit_lightning.data.rng import to_float32
-from dit_lightning.data.testing import make_random_store
+from tests.helpers.data import make_random_store
 
 
 @pytest.fixture(scope="module")

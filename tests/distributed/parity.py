@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from dit_lightning.callbacks import GenerationMetrics  # noqa: E402
-from dit_lightning.checkpoint_io import AtomicCheckpointIO  # noqa: E402
+from dit_lightning.plugins import AtomicCheckpointIO  # noqa: E402
 from dit_lightning.data import LatentDataModule  # noqa: E402
 from dit_lightning.distributed import DiTDDPStrategy, DiTFSDP2Strategy, full_state_dict, is_fsdp2  # noqa: E402
 from dit_lightning.module import DiTModule  # noqa: E402

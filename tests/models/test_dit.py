@@ -6,7 +6,7 @@ import torch
 from dit_lightning.models import DIT_CONFIGS, DiT, build_dit, dit_macs, dit_params, resolve_checkpoint_blocks, shape_of
 
 from ..conftest import tiny_dit_kwargs
-from .reference_forward import reference_forward
+from tests.helpers.reference_forward import reference_forward
 
 # REFERENCE.md section 1: parameters including pos_embed, 256px (32x32 latents), 1000 classes.
 PUBLISHED_PARAMS = {

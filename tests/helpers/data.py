@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import store as st
+from dit_lightning.data import store as st
 
 # name -> (mode, size) of the "good" images; the bad ones are added per class below
 _GOOD = [("RGB", (40, 32)), ("RGB", (100, 70)), ("RGB", (32, 48))]

@@ -1,4 +1,4 @@
-"""Callbacks used by CLI tests in subprocesses (importable as tests.cli_helpers)."""
+"""Callbacks used by CLI tests in subprocesses (importable as tests.helpers.cli)."""
 
 import os
 import signal

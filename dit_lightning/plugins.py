@@ -1,13 +1,12 @@
-"""Checkpoint I/O that never leaves a truncated checkpoint behind a killed run."""
+"""Lightning plugins of the project: checkpoint I/O that never leaves a truncated file behind."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from .models.checkpoint import atomic_torch_save
+from .atomic import save_torch
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -18,4 +17,4 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options")
-        atomic_torch_save(checkpoint, Path(path))
+        save_torch(checkpoint, path)

@@ -1,0 +1,157 @@
+"""Atomic file writes: a reader, or a run resumed after a kill, sees the old file or the whole new
+one, never a prefix.
+
+Every write that matters (checkpoints, exports, store shards and metadata, sample images, the
+ADM ``.npz``, statistics, JSON reports) goes through :func:`atomic_write`: the bytes go to a
+temporary file in the target's directory, are flushed and fsync'ed, the file is renamed over
+the target (``os.replace``: atomic on POSIX and Windows) and the directory is fsync'ed so the
+rename itself survives a power cut. Files get the permissions a plain ``open`` would give
+(``0o666`` minus the umask), not ``mkstemp``'s ``0o600``: checkpoints and stores are shared.
+
+Temporary files are named ``.<name>.<random>.tmp``; :func:`remove_stale_temporaries` deletes
+those a killed process left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any, Callable, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+TMP_SUFFIX = ".tmp"
+
+
+def _file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+_MODE = _file_mode()
+
+
+def fsync_dir(path: PathLike) -> None:
+    """fsync a directory, so that a rename inside it is durable (a no-op where unsupported)."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def temporary_name(path: PathLike) -> str:
+    """The prefix of the temporary files of ``path`` (in the same directory)."""
+    return "." + os.path.basename(os.fspath(path)) + "."
+
+
+@contextlib.contextmanager
+def atomic_open(path: PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
+    """``with atomic_open(path) as f: f.write(...)``: ``path`` appears complete when the block
+    ends without an exception, and is left untouched (no temporary file either) when it raises."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_open writes whole files: mode 'wb' or 'w', got {mode!r}")
+    target = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=temporary_name(target), suffix=TMP_SUFFIX, dir=directory)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _MODE)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any]) -> Path:
+    """Write ``path`` through ``write(binary_file)`` atomically; returns the path."""
+    with atomic_open(path, "wb") as f:
+        write(f)
+    return Path(path)
+
+
+def write_bytes(path: PathLike, data: bytes) -> Path:
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def write_text(path: PathLike, text: str) -> Path:
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: PathLike, obj: Any, indent: int = 2) -> Path:
+    """``obj`` as key-sorted JSON (deterministic bytes) ending in a newline."""
+    return write_text(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
+
+
+def save_torch(obj: Any, path: PathLike) -> Path:
+    """``torch.save`` that leaves the complete file at ``path`` or nothing new."""
+    import torch
+
+    return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def save_npy(path: PathLike, array: Any) -> Path:
+    """A ``.npy`` file (no pickles)."""
+    import numpy as np
+
+    return atomic_write(path, lambda f: np.save(f, np.ascontiguousarray(array), allow_pickle=False))
+
+
+def save_npz(path: PathLike, **arrays: Any) -> Path:
+    """An uncompressed ``.npz`` of ``arrays``."""
+    import numpy as np
+
+    return atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def save_image(path: PathLike, image: Any, format: str = "PNG") -> Path:
+    """A PIL image (or a uint8 (H, W) / (H, W, C) array) as ``format``."""
+    if not hasattr(image, "save"):
+        from PIL import Image
+
+        image = Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[-1] == 1 else image)
+    return atomic_write(path, lambda f: image.save(f, format=format))
+
+
+def remove_stale_temporaries(directory: PathLike, older_than_s: float = 0.0, recursive: bool = False) -> list[str]:
+    """Delete the temporary files of atomic writes that a killed process left in ``directory``
+    (those last modified more than ``older_than_s`` seconds ago); returns their paths.
+
+    A temporary file only exists while a write is in flight: pass a grace period when another
+    process may be writing into the same directory right now.
+    """
+    root = os.fspath(directory)
+    if not os.path.isdir(root):
+        return []
+    now = time.time()
+    removed = []
+    walker = os.walk(root) if recursive else [(root, [], os.listdir(root))]
+    for dirpath, _, names in walker:
+        for name in names:
+            if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
+                continue
+            full = os.path.join(dirpath, name)
+            try:
+                if os.path.isfile(full) and now - os.path.getmtime(full) >= older_than_s:
+                    os.unlink(full)
+                    removed.append(full)
+            except OSError:
+                continue
+    return removed

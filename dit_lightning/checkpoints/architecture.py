@@ -1,0 +1,232 @@
+"""Which DiT a checkpoint holds, by one rule, and loading weights into it strictly.
+
+Shapes come from the weights; what no shape shows (the number of attention heads, the label
+dropout that decides whether the label table has a null row) comes from what the file
+records, in this order: the run's own settings (``num_heads`` / ``class_dropout_prob`` in the
+Lightning hyper-parameters or the reference arguments), the named configuration (``model:
+DiT-XL/2``), the recorded architecture (``args["model_config"]``, written by every export of
+this project). Only a file that records nothing (a released raw state dict) is guessed: the
+named configuration with the same depth, width and patch, else ``hidden_size / 64`` heads
+(the head size of every published DiT), and :func:`dit_config_of` says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from ..models.config import build_from_config, mlp_ratio_for
+from ..models.dit import DIT_CONFIGS, DiT, dit_config
+from .formats import DiTCheckpoint, StateDict, Weights, clean_state_dict, read_checkpoint
+
+_DESCRIBED = ("depth", "hidden_size", "patch_size", "in_channels", "input_size", "num_classes", "learn_sigma")
+
+
+def infer_dit_config(sd: StateDict) -> dict[str, Any]:
+    """The constructor arguments of the DiT that produced a state dict, from the weights alone.
+
+    The heads are guessed (a named configuration of the same depth, width and patch, else
+    ``hidden_size // 64``; a head-pruned model with QK-norm shows its head size), and the label
+    table is assumed to have a null row (``class_dropout_prob`` 0.1). :func:`dit_config_of`
+    corrects both from what a checkpoint records.
+    """
+    try:
+        hidden = sd["pos_embed"].shape[-1]
+        tokens = sd["pos_embed"].shape[1]
+        w = sd["x_embedder.proj.weight"]
+        table = sd["y_embedder.embedding_table.weight"].shape[0]
+        out_features = sd["final_layer.linear.weight"].shape[0]
+        mlp_hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
+        attn_dim = sd["blocks.0.attn.qkv.weight"].shape[0] // 3
+    except KeyError as e:
+        raise ValueError(f"not a DiT state dict: missing {e}") from None
+    depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    patch, in_channels = w.shape[-1], w.shape[1]
+    grid = int(round(tokens**0.5))
+    out_channels = out_features // (patch * patch)
+    qk_norm = "blocks.0.attn.q_norm.weight" in sd
+    cfg: dict[str, Any] = {
+        "input_size": grid * patch,
+        "patch_size": patch,
+        "in_channels": in_channels,
+        "hidden_size": hidden,
+        "depth": depth,
+        "mlp_ratio": mlp_ratio_for(hidden, mlp_hidden),
+        "learn_sigma": out_channels == 2 * in_channels,
+        "qk_norm": qk_norm,
+        # The label table has a null row iff the model was trained with label dropout; the
+        # released and reference models always are, so assume it (num_classes = rows - 1).
+        "num_classes": table - 1,
+        "class_dropout_prob": 0.1,
+    }
+    named = [c for c in DIT_CONFIGS.values() if (c["depth"], c["hidden_size"], c["patch_size"]) == (depth, hidden, patch)]
+    cfg["num_heads"] = named[0]["num_heads"] if named else max(1, hidden // 64)
+    if attn_dim != hidden:  # head-pruned: exact heads with QK-norm (its weight has the head size)
+        cfg["attn_dim"] = attn_dim
+        head = sd["blocks.0.attn.q_norm.weight"].shape[0] if qk_norm else (64 if attn_dim % 64 == 0 else attn_dim)
+        cfg["num_heads"] = attn_dim // head
+    return cfg
+
+
+def _recorded_heads(args: dict[str, Any]) -> Optional[int]:
+    """The heads a checkpoint's arguments record, in the order of the module docstring."""
+    if args.get("num_heads"):
+        return int(args["num_heads"])
+    name = args.get("model")
+    if isinstance(name, str) and name != "custom":
+        try:
+            return dit_config(name)["num_heads"]
+        except ValueError:
+            pass
+    recorded = args.get("model_config")
+    if isinstance(recorded, dict) and recorded.get("num_heads"):
+        return int(recorded["num_heads"])
+    return None
+
+
+def dit_config_of(
+    ckpt: DiTCheckpoint, sd: Optional[StateDict] = None, num_heads: Optional[int] = None
+) -> tuple[dict[str, Any], list[str]]:
+    """The architecture of the DiT in ``ckpt`` (weights ``sd``, default its trained ones), by the
+    rule of this module; returns ``(config, notes)`` where the notes say what had to be guessed.
+    ``num_heads`` overrides everything (for raw files of custom sizes)."""
+    sd = sd if sd is not None else ckpt.model
+    cfg = infer_dit_config(sd)
+    args = ckpt.args
+    recorded = args.get("model_config") if isinstance(args.get("model_config"), dict) else {}
+    notes: list[str] = []
+    heads = num_heads or _recorded_heads(args)
+    if heads is None and not any(
+        (c["depth"], c["hidden_size"], c["patch_size"]) == (cfg["depth"], cfg["hidden_size"], cfg["patch_size"])
+        for c in DIT_CONFIGS.values()
+    ):
+        notes.append(
+            f"the head count of this custom DiT is not recorded in '{ckpt.path}'; assuming {cfg['num_heads']} "
+            "(hidden/64). Pass num_heads if it was trained with another."
+        )
+    if heads is not None:
+        cfg["num_heads"] = heads
+    dropout = args.get("class_dropout_prob", recorded.get("class_dropout_prob"))
+    if dropout is not None:
+        cfg["class_dropout_prob"] = float(dropout)
+    if cfg["class_dropout_prob"] == 0.0:
+        # No null row in the label table then: num_classes = rows (inferring assumed rows - 1).
+        cfg["num_classes"] = sd["y_embedder.embedding_table.weight"].shape[0]
+    inner = cfg.get("attn_dim", cfg["hidden_size"])
+    if inner % cfg["num_heads"]:
+        raise ValueError(f"attention width {inner} is not divisible by num_heads {cfg['num_heads']}")
+    return cfg, notes
+
+
+def describe(cfg: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={cfg[k]}" for k in _DESCRIBED if k in cfg)
+
+
+def check_dit_weights(model: nn.Module, sd: StateDict, source: str = "checkpoint") -> None:
+    """Raise a ValueError naming both architectures if ``sd`` does not fit ``model`` exactly."""
+    own = model.state_dict()
+    sd = clean_state_dict(sd)
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    mismatched = [k for k in own if k in sd and tuple(own[k].shape) != tuple(sd[k].shape)]
+    if not (missing or unexpected or mismatched):
+        return
+    try:
+        theirs = describe(infer_dit_config(sd))
+    except ValueError:
+        theirs = "not a DiT"
+    mine = describe({k: getattr(model, k) for k in _DESCRIBED})
+    detail = "; ".join(
+        part
+        for part in (
+            f"missing {missing[:4]}" if missing else "",
+            f"unexpected {unexpected[:4]}" if unexpected else "",
+            f"shape mismatch at {mismatched[:4]}" if mismatched else "",
+        )
+        if part
+    )
+    raise ValueError(
+        f"{source} holds another architecture ({theirs}) than the configured model ({mine}): {detail}. "
+        "Configure the model to match the checkpoint (or sample with the architecture inferred from it)."
+    )
+
+
+def load_dit_weights(model: nn.Module, sd: StateDict, source: str = "checkpoint") -> None:
+    """``load_state_dict(strict=True)`` with an error that says which architecture the
+    checkpoint holds when it is not the configured one."""
+    check_dit_weights(model, sd, source)
+    model.load_state_dict(clean_state_dict(sd), strict=True)
+
+
+@dataclass
+class LoadedDiT:
+    """A DiT rebuilt from a checkpoint, in eval mode, and what the checkpoint says about it."""
+
+    net: DiT
+    config: dict[str, Any]
+    checkpoint: DiTCheckpoint
+    weights: Weights  # the weights loaded: "ema", or "raw" when asked or when the file has no EMA
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def format(self) -> str:
+        return self.checkpoint.format
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return self.checkpoint.args
+
+    @property
+    def noise_schedule(self) -> str:
+        return str(self.args.get("noise_schedule") or "linear")
+
+    @property
+    def diffusion_steps(self) -> int:
+        return int(self.args.get("diffusion_steps") or 1000)
+
+    @property
+    def vae(self) -> Optional[str]:
+        """The VAE the run decoded with; the reference script's ``--vae ema|mse`` spelled out."""
+        vae = self.args.get("vae")
+        if not isinstance(vae, str) or not vae:
+            return None
+        return f"stabilityai/sd-vae-ft-{vae}" if vae in ("ema", "mse") else vae
+
+    @property
+    def scale_factor(self) -> Optional[float]:
+        value = self.args.get("scale_factor")
+        return float(value) if value is not None else None
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling settings a Lightning run was configured with (sampler, steps, guidance)."""
+        if self.format not in ("lightning", "sharded"):
+            return {}
+        keys = ("sample_steps", "sampler", "cfg_scale", "guide_channels")
+        return {k: self.args[k] for k in keys if k in self.args}
+
+
+def load_dit(
+    path: Union[str, DiTCheckpoint],
+    weights: Union[Weights, str] = "ema",
+    num_heads: Optional[int] = None,
+    device: Union[str, torch.device] = "cpu",
+) -> LoadedDiT:
+    """Rebuild the DiT a checkpoint holds (no model config needed) and load its weights strictly.
+
+    ``weights="ema"`` falls back to the trained weights when the file has none; ``"raw"`` (or
+    ``"model"``) takes the trained weights. The network is in eval mode with ``pos_embed`` frozen.
+    """
+    ckpt = path if isinstance(path, DiTCheckpoint) else read_checkpoint(path)
+    use_ema = weights == "ema" and ckpt.ema is not None
+    sd = ckpt.weights("ema" if use_ema else "model")
+    cfg, notes = dit_config_of(ckpt, sd, num_heads=num_heads)
+    if weights == "ema" and not use_ema:
+        notes.append(f"'{ckpt.path}' has no EMA weights; using the raw weights")
+    net = build_from_config(cfg, device=device, empty=True)
+    load_dit_weights(net, sd, source=f"checkpoint '{ckpt.path}'")
+    net.pos_embed.requires_grad_(False)
+    return LoadedDiT(net.eval(), cfg, ckpt, "ema" if use_ema else "raw", notes)

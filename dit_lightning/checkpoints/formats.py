@@ -1,0 +1,131 @@
+"""Reading DiT checkpoints in every format users meet, with ``torch.load(weights_only=True)``.
+
+- raw state dict: the released ``DiT-XL-2-256x256.pt`` (EMA weights, no wrapper keys);
+- the reference training format ``{"model", "ema", "opt", "args"}`` (``args`` an
+  ``argparse.Namespace`` or a dict), which ``dit-lightning export`` and ``prune`` also write;
+- Lightning checkpoints of :class:`~dit_lightning.module.DiTModule` (``state_dict`` with
+  ``model.`` and ``ema.`` prefixes, ``hyper_parameters``);
+- sharded Lightning checkpoint directories (``torch.distributed.checkpoint``, written by the
+  FSDP strategies), merged in one process (:mod:`.sharded`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch import Tensor
+
+StateDict = dict[str, Tensor]
+Format = Literal["raw", "reference", "lightning", "sharded"]
+Weights = Literal["ema", "raw"]
+
+# Prefixes wrappers add to parameter names: torch.compile's and DDP's.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def strip_prefix(sd: StateDict, prefix: str) -> StateDict:
+    """The entries of ``sd`` under ``prefix``, with the prefix removed."""
+    return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+
+
+def clean_state_dict(sd: StateDict) -> StateDict:
+    """Drop wrappers' prefixes (torch.compile's ``_orig_mod.``, DDP's ``module.``)."""
+    out = {}
+    for k, v in sd.items():
+        for p in _WRAPPER_PREFIXES:
+            k = k.replace(p, "")
+        out[k] = v
+    return out
+
+
+@dataclass
+class DiTCheckpoint:
+    """The DiT weights of a checkpoint and what the file records about them.
+
+    ``model`` are the trained weights, ``ema`` the EMA weights (None when the file has none; a
+    raw released state dict *is* EMA weights and fills both). ``args`` are the recorded settings:
+    the Lightning hyper-parameters or the reference script's arguments (empty when none).
+    ``optimizer`` is the first optimiser's state keyed by parameter position, ``meta`` the
+    Lightning bookkeeping (``epoch``, ``global_step``...).
+    """
+
+    path: str
+    format: Format
+    model: StateDict
+    ema: Optional[StateDict] = None
+    args: dict[str, Any] = field(default_factory=dict)
+    optimizer: Optional[dict[str, Any]] = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def weights(self, which: Union[Weights, Literal["model"]] = "ema") -> StateDict:
+        """The EMA weights (falling back to the trained ones when there are none) or the trained ones."""
+        if which == "ema" and self.ema is not None:
+            return self.ema
+        return self.model
+
+    def has_ema(self) -> bool:
+        return self.ema is not None
+
+
+def _torch_load(path: Path) -> Any:
+    # The reference scripts store their argparse.Namespace under "args": allow just that class.
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated file, pickle of arbitrary objects, not a torch file...
+        raise ValueError(f"could not read checkpoint '{path}' with torch.load(weights_only=True): {e}") from e
+
+
+def _from_lightning(path: str, ckpt: dict[str, Any], fmt: Format) -> DiTCheckpoint:
+    sd = clean_state_dict(ckpt["state_dict"])
+    model, ema = strip_prefix(sd, "model."), strip_prefix(sd, "ema.")
+    if not model:
+        raise ValueError(f"'{path}' holds no DiT weights under 'model.' (keys: {sorted(sd)[:6]})")
+    hp = ckpt.get("hyper_parameters")
+    states = ckpt.get("optimizer_states") or []
+    meta = {k: ckpt[k] for k in ("epoch", "global_step", "pytorch-lightning_version") if k in ckpt}
+    return DiTCheckpoint(
+        path, fmt, model, ema or None, dict(hp) if isinstance(hp, dict) else {}, states[0] if states else None, meta
+    )
+
+
+def read_checkpoint(path: Union[str, Path], tmp_dir: Optional[Union[str, Path]] = None) -> DiTCheckpoint:
+    """Load any supported checkpoint file or sharded checkpoint directory.
+
+    ``tmp_dir``: where a sharded directory is merged through a temporary file (default: next to it).
+    """
+    from .sharded import is_sharded_checkpoint, load_sharded_checkpoint
+
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        return _from_lightning(str(path), load_sharded_checkpoint(path, tmp_dir=tmp_dir), "sharded")
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
+    ckpt = _torch_load(path)
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"checkpoint '{path}' holds a {type(ckpt).__name__}, not a state dict")
+    if "state_dict" in ckpt and isinstance(ckpt["state_dict"], dict):
+        return _from_lightning(str(path), ckpt, "lightning")
+    if "model" in ckpt and isinstance(ckpt["model"], dict):  # reference training format
+        args = ckpt.get("args")
+        args = vars(args) if isinstance(args, argparse.Namespace) else args
+        ema = ckpt.get("ema")
+        return DiTCheckpoint(
+            str(path),
+            "reference",
+            clean_state_dict(ckpt["model"]),
+            clean_state_dict(ema) if isinstance(ema, dict) else None,
+            dict(args) if isinstance(args, dict) else {},
+            ckpt.get("opt") if isinstance(ckpt.get("opt"), dict) else None,
+        )
+    if "pos_embed" in ckpt or any(k.startswith("blocks.") for k in ckpt):  # raw (released) weights
+        sd = clean_state_dict(ckpt)
+        return DiTCheckpoint(str(path), "raw", sd, sd)
+    raise ValueError(
+        f"checkpoint '{path}' is not a DiT checkpoint: expected a raw DiT state dict, "
+        f"{{model, ema, opt, args}} or a Lightning checkpoint; found keys {sorted(ckpt)[:8]}"
+    )

@@ -1,0 +1,114 @@
+"""Precision in one place: every spelling a user may write, the torch dtype it means, and the
+dtype a running Trainer really computes in.
+
+Users meet four vocabularies: Lightning's ``precision`` ("32-true", "16-mixed", "bf16-mixed",
+"bf16-true"...), short names ("fp32", "bf16", "fp16"), torch's dtype names ("float32",
+"bfloat16", "float16", "torch.bfloat16") and the FSDP strategies' ``param_dtype``. They all map
+to a :class:`torch.dtype` here (:func:`to_dtype`), and :func:`compute_dtype` tells the matmul
+dtype of a Trainer: the strategy's mixed-precision ``param_dtype`` when it sets one (FSDP2 with
+``precision: 32-true`` and ``param_dtype: bfloat16`` computes in bf16), else the precision
+plugin's. Pure PyTorch: Lightning objects are inspected by attribute, never imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Literal, Optional, Union
+
+import torch
+
+# The precisions the training configs and the planner speak (Lightning's names).
+TrainingPrecision = Literal["32-true", "16-mixed", "bf16-mixed"]
+# The short names the sampling commands take.
+SamplingPrecision = Literal["fp32", "bf16", "fp16"]
+DTypeLike = Union[str, int, torch.dtype, None]
+
+_SPELLINGS: dict[str, torch.dtype] = {}
+for _dtype, _names in (
+    (torch.float32, ("32", "32-true", "fp32", "float32", "float", "full", "32-mixed")),
+    (torch.bfloat16, ("bf16", "bfloat16", "bf16-mixed", "bf16-true")),
+    (torch.float16, ("16", "fp16", "float16", "half", "16-mixed", "16-true")),
+    (torch.float64, ("64", "64-true", "fp64", "float64", "double")),
+):
+    for _name in _names:
+        _SPELLINGS[_name] = _dtype
+
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+_LIGHTNING_MIXED = {torch.float32: "32-true", torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
+
+
+def to_dtype(precision: DTypeLike) -> torch.dtype:
+    """The torch dtype of any precision spelling (``None`` means float32).
+
+    >>> to_dtype("bf16-mixed"), to_dtype("fp16"), to_dtype("float32"), to_dtype(16)
+    (torch.bfloat16, torch.float16, torch.float32, torch.float16)
+    """
+    if precision is None:
+        return torch.float32
+    if isinstance(precision, torch.dtype):
+        return precision
+    key = str(precision).strip().lower().removeprefix("torch.")
+    if key in _SPELLINGS:
+        return _SPELLINGS[key]
+    raise ValueError(
+        f"unknown precision {precision!r}: use 32-true, 16-mixed or bf16-mixed (training), fp32, bf16 or fp16 "
+        "(sampling), or a torch dtype name (float32, bfloat16, float16)"
+    )
+
+
+def optional_dtype(precision: DTypeLike) -> Optional[torch.dtype]:
+    """:func:`to_dtype`, but ``None`` stays ``None`` ("not set": let the caller decide)."""
+    return None if precision is None else to_dtype(precision)
+
+
+def short_name(precision: DTypeLike) -> str:
+    """"fp32", "bf16", "fp16" (or "fp64") for any spelling."""
+    return _SHORT[to_dtype(precision)]
+
+
+def lightning_precision(precision: DTypeLike) -> str:
+    """Lightning's mixed-precision name of a dtype: "32-true", "bf16-mixed" or "16-mixed"."""
+    dtype = to_dtype(precision)
+    if dtype not in _LIGHTNING_MIXED:
+        raise ValueError(f"no Lightning mixed precision for {dtype}")
+    return _LIGHTNING_MIXED[dtype]
+
+
+def is_fp16(precision: DTypeLike) -> bool:
+    """True for the float16 precisions ("16-mixed", "16-true", "fp16"...), which need loss scaling."""
+    return to_dtype(precision) == torch.float16
+
+
+def autocast(device_type: str, precision: DTypeLike) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to the 16-bit dtype of ``precision``; a no-op for fp32."""
+    dtype = to_dtype(precision)
+    if dtype in (torch.float32, torch.float64):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def strategy_param_dtype(strategy: Any) -> Optional[torch.dtype]:
+    """The dtype a sharding strategy gathers parameters in (its mixed-precision policy), if set:
+    FSDP2 (``DiTFSDP2Strategy.fsdp_options["param_dtype"]``) or FSDP1 (``mixed_precision``)."""
+    options = getattr(strategy, "fsdp_options", None)
+    if isinstance(options, dict) and options.get("param_dtype") is not None:
+        return to_dtype(options["param_dtype"])
+    mixed = getattr(strategy, "mixed_precision", None)
+    if mixed is not None and getattr(mixed, "param_dtype", None) is not None:
+        return to_dtype(mixed.param_dtype)
+    return None
+
+
+def compute_dtype(trainer: Any) -> torch.dtype:
+    """The dtype the matmuls of a Trainer's training step run in.
+
+    The strategy's parameter dtype wins (FSDP2/FSDP1 mixed precision casts the gathered weights,
+    whatever ``trainer.precision`` says), then the precision plugin's ``trainer.precision``.
+    """
+    param_dtype = strategy_param_dtype(getattr(trainer, "strategy", None))
+    if param_dtype is not None:
+        return param_dtype
+    precision = getattr(trainer, "precision", None)
+    if str(precision).startswith("transformer-engine"):
+        return torch.int8  # FP8 matmuls: Lightning's peak table files Transformer Engine under int8
+    return to_dtype(precision)

@@ -1,0 +1,55 @@
+"""The VAE between images and latents: loading a diffusers ``AutoencoderKL``, decoding latents,
+and the pixel-space stores that need none ("none/pixels", e.g. the digits demo)."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
+DEFAULT_SCALE_FACTOR = 0.18215
+PIXEL_VAE_PREFIX = "none"  # "none/pixels": the store holds pixels in [-1, 1]
+
+
+def is_pixel_space(vae: Optional[str]) -> bool:
+    return not vae or vae.startswith(PIXEL_VAE_PREFIX)
+
+
+def clip_denoised_for(vae: Optional[str]) -> bool:
+    """The ``clip_denoised`` a store decoded by ``vae`` samples with: True for pixel stores
+    (values known to lie in [-1, 1], as ADM samples pixel models), False for VAE latents
+    (unbounded; the DiT paper's setting)."""
+    return is_pixel_space(vae)
+
+
+def load_vae(name: str, device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """diffusers ``AutoencoderKL`` from a hub id or a local ``save_pretrained`` directory, frozen, in eval mode."""
+    from diffusers.models import AutoencoderKL
+
+    try:
+        vae = AutoencoderKL.from_pretrained(name, torch_dtype=dtype, low_cpu_mem_usage=False)
+    except Exception as e:
+        raise RuntimeError(
+            f"cannot load the VAE {name!r} ({type(e).__name__}: {e}). Offline, pass a local directory "
+            "written by AutoencoderKL.save_pretrained (or have the hub id in the Hugging Face cache)."
+        ) from e
+    return vae.to(device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def decode_latents(
+    latents: Tensor, vae: Optional[Union[str, nn.Module]], scale_factor: float = DEFAULT_SCALE_FACTOR
+) -> Tensor:
+    """Images in [0, 1] (N, C, H, W): ``(x + 1) / 2`` for pixel stores, else ``vae.decode(z / s)``.
+
+    The VAE runs in fp32 whatever the sampling precision: decoding is a small share of the
+    cost and the SD decoders are the part most sensitive to reduced precision.
+    """
+    if vae is None or isinstance(vae, str):
+        if is_pixel_space(vae):
+            return ((latents.float() + 1) / 2).clamp(0, 1)
+        vae = load_vae(vae, latents.device)
+    images = vae.decode(latents.float() / scale_factor).sample
+    return ((images.float() + 1) / 2).clamp(0, 1)
