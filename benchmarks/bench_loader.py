@@ -153,8 +153,10 @@ def main() -> None:
     def baseline() -> DataLoader:
         return DataLoader(PerSampleDataset(args.store), batch_size=B, shuffle=True, drop_last=True, **loader_kw)
 
-    loaders = [("per-sample Dataset + default collate (baseline)", baseline),
-               ("LatentDataModule (batched, counter-based RNG)", ours)]
+    loaders = [
+        ("per-sample Dataset + default collate (baseline)", baseline),
+        ("LatentDataModule (batched, counter-based RNG)", ours),
+    ]
     # Interleaved repeats, median reported: on a shared machine both loaders then see the
     # same mix of quiet and busy moments.
     runs: dict[str, list] = {name: [] for name, _ in loaders}
@@ -165,12 +167,18 @@ def main() -> None:
             print(f"run {rep + 1}: {name}: {r[0]:,.0f} samples/s, {r[3]:.1f} CPU-us/sample", file=sys.stderr)
     for name, _ in loaders:
         rs = runs[name]
-        rows.append({"loader": name, "num_workers": W, "batch_size": B,
-                     "samples_per_s": round(float(np.median([r[0] for r in rs]))),
-                     "best_samples_per_s": round(max(r[0] for r in rs)),
-                     "cpu_us_per_sample": round(float(np.median([r[3] for r in rs])), 1),
-                     "samples_timed": rs[0][1],
-                     "first_batch_s": round(float(np.median([r[2] for r in rs])), 3)})
+        rows.append(
+            {
+                "loader": name,
+                "num_workers": W,
+                "batch_size": B,
+                "samples_per_s": round(float(np.median([r[0] for r in rs]))),
+                "best_samples_per_s": round(max(r[0] for r in rs)),
+                "cpu_us_per_sample": round(float(np.median([r[3] for r in rs])), 1),
+                "samples_timed": rs[0][1],
+                "first_batch_s": round(float(np.median([r[2] for r in rs])), 3),
+            }
+        )
     base = rows[0]["samples_per_s"]
     base_cpu = rows[0]["cpu_us_per_sample"]
     for r in rows:
@@ -181,11 +189,23 @@ def main() -> None:
     cores = os.cpu_count()
     date = dt.datetime.now().astimezone().isoformat(timespec="seconds")
     command = "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
-    header = ["loader", "num_workers", "batch_size", "samples_per_s", "speedup", "best_samples_per_s",
-              "cpu_us_per_sample", "cpu_speedup", "first_batch_s", "samples_timed"]
+    header = [
+        "loader",
+        "num_workers",
+        "batch_size",
+        "samples_per_s",
+        "speedup",
+        "best_samples_per_s",
+        "cpu_us_per_sample",
+        "cpu_speedup",
+        "first_batch_s",
+        "samples_timed",
+    ]
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    table += ["| " + " | ".join(f"{r[h]:,}" if isinstance(r[h], int) else str(r[h]) for h in header) + " |" for r in rows]
+    table += [
+        "| " + " | ".join(f"{r[h]:,}" if isinstance(r[h], int) else str(r[h]) for h in header) + " |" for r in rows
+    ]
     md = "\n".join(
         [
             f"# Loader benchmark on {host}",

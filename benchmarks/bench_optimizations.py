@@ -70,18 +70,45 @@ CONFIGS: dict[str, Config] = {
     "fp32+fused-adamw": Config(fused=True, cuda_only=True),
     "bf16+fused-adamw": Config(precision="bf16-mixed", fused=True, cuda_only=True),
     "fp32+online-vae": Config(online_vae=True, note="AutoencoderKL encode of images every step"),
-    "bf16+online-vae": Config(precision="bf16-mixed", online_vae=True, note="AutoencoderKL encode of images every step"),
+    "bf16+online-vae": Config(
+        precision="bf16-mixed", online_vae=True, note="AutoencoderKL encode of images every step"
+    ),
     "reference": Config(reference=True, note="reference-style step: plain softmax attention, fp32, looped EMA"),
     "fp32-repeat": Config(note="the baseline again, last: the run-to-run noise of this machine"),
 }
 DEFAULT_GRID = {
-    "cpu": ["fp32", "16-mixed", "bf16-mixed", "fp32+ckpt-half", "fp32+ckpt-all", "bf16+ckpt-half", "bf16+ckpt-all",
-            "fp32+compile", "bf16+fused-adamw", "fp32+online-vae", "reference", "fp32-repeat"],
-    "cuda": ["fp32", "tf32", "16-mixed", "bf16-mixed", "bf16+ckpt-half", "bf16+ckpt-all", "16-mixed+ckpt-all",
-             "bf16+compile", "bf16+fused-adamw", "bf16+online-vae", "reference"],
+    "cpu": [
+        "fp32",
+        "16-mixed",
+        "bf16-mixed",
+        "fp32+ckpt-half",
+        "fp32+ckpt-all",
+        "bf16+ckpt-half",
+        "bf16+ckpt-all",
+        "fp32+compile",
+        "bf16+fused-adamw",
+        "fp32+online-vae",
+        "reference",
+        "fp32-repeat",
+    ],
+    "cuda": [
+        "fp32",
+        "tf32",
+        "16-mixed",
+        "bf16-mixed",
+        "bf16+ckpt-half",
+        "bf16+ckpt-all",
+        "16-mixed+ckpt-all",
+        "bf16+compile",
+        "bf16+fused-adamw",
+        "bf16+online-vae",
+        "reference",
+    ],
 }
 # fp16 matmuls have no CPU kernel worth the name (~1 GFLOP/s): only when asked for by name.
-CPU_SKIP_BY_DEFAULT = {"16-mixed": "skipped on CPU: fp16 matmuls are emulated (~1 GFLOP/s); ask with --configs 16-mixed"}
+CPU_SKIP_BY_DEFAULT = {
+    "16-mixed": "skipped on CPU: fp16 matmuls are emulated (~1 GFLOP/s); ask with --configs 16-mixed"
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -146,7 +173,9 @@ def run_config(name: str, args) -> dict[str, Any]:
     device = torch.device(args.device)
     row: dict[str, Any] = {"config": name, "status": "ok", "note": cfg.note}
     if cfg.cuda_only and device.type != "cuda":
-        row.update(status="n/a on CPU", note=(cfg.note + "; " if cfg.note else "") + "the project enables it on CUDA only")
+        row.update(
+            status="n/a on CPU", note=(cfg.note + "; " if cfg.note else "") + "the project enables it on CUDA only"
+        )
         return row
     if device.type == "cpu" and name in CPU_SKIP_BY_DEFAULT and name not in (args.configs_explicit or []):
         row.update(status=CPU_SKIP_BY_DEFAULT[name])
@@ -201,8 +230,11 @@ def run_config(name: str, args) -> dict[str, Any]:
         extra_state += list(vae.parameters()) + [images]
         inner = step
 
-        def step() -> float:  # noqa: F811 - the online variant encodes the images first
-            with torch.no_grad(), (inner.autocast() if hasattr(inner, "autocast") else torch.autocast(device.type, enabled=False)):
+        def step() -> float:
+            with (
+                torch.no_grad(),
+                inner.autocast() if hasattr(inner, "autocast") else torch.autocast(device.type, enabled=False),
+            ):
                 latents = vae.encode(images).latent_dist.sample() * 0.18215
             inner.batch["x"] = latents.float()
             return inner()
@@ -228,7 +260,13 @@ def run_config(name: str, args) -> dict[str, Any]:
     # On a shared CPU, wall time depends on the neighbours; the CPU time of this process (one
     # compute thread by default) does not, so CPU speed is images per CPU-second.
     timed = elapsed if device.type == "cuda" else cpu_elapsed
-    row.update(steps=steps, step_s=timed / steps, images_per_s=n * steps / timed, wall_images_per_s=n * steps / elapsed, loss=loss)
+    row.update(
+        steps=steps,
+        step_s=timed / steps,
+        images_per_s=n * steps / timed,
+        wall_images_per_s=n * steps / elapsed,
+        loss=loss,
+    )
     if device.type == "cuda":
         row["peak_bytes"] = torch.cuda.max_memory_allocated() - base_allocated
         row["reserved_bytes"] = torch.cuda.max_memory_reserved()
@@ -279,20 +317,27 @@ def _pct(r: Optional[float]) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     base = next((r for r in rows if r["config"] == "fp32" and r["status"] == "ok"), None)
     reserved = any("reserved_bytes" in r for r in rows)
-    head = "| config | images/s | speed vs fp32 | peak memory (MiB) | memory vs fp32 | planner (MiB) | planner / measured |"
+    head = (
+        "| config | images/s | speed vs fp32 | peak memory (MiB) | memory vs fp32 | planner (MiB) "
+        "| planner / measured |"
+    )
     head += (" reserved (MiB) |" if reserved else "") + " steps | notes |\n"
     head += "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if reserved else "") + "---:|---|\n"
     lines = []
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | - | - | - | - | - | - |" + (" - |" if reserved else "")
-                         + f" - | {r['status']}{'; ' + r['note'] if r.get('note') else ''} |")
+            lines.append(
+                f"| {r['config']} | - | - | - | - | - | - |"
+                + (" - |" if reserved else "")
+                + f" - | {r['status']}{'; ' + r['note'] if r.get('note') else ''} |"
+            )
             continue
         speed = _ratio(r["images_per_s"], base["images_per_s"]) if base else None
         mem = _ratio(r["peak_bytes"], base["peak_bytes"]) if base else None
         pred = r.get("planner_bytes")
         lines.append(
-            f"| {r['config']} | {r['images_per_s']:.2f} | {_fmt(speed, '.2f') + ('x' if speed else '')} | {r['peak_bytes'] / MiB:,.1f} | {_pct(mem)} | "
+            f"| {r['config']} | {r['images_per_s']:.2f} | {_fmt(speed, '.2f') + ('x' if speed else '')} | "
+            f"{r['peak_bytes'] / MiB:,.1f} | {_pct(mem)} | "
             f"{_fmt(pred / MiB if pred else None, ',.1f')} | {_fmt(_ratio(pred, r['peak_bytes']), '.3f')} |"
             + (f" {r['reserved_bytes'] / MiB:,.0f} |" if reserved else "")
             + f" {r['steps']} | {r.get('note', '')} |"
@@ -330,8 +375,9 @@ def claims_section(rows: list[dict[str, Any]], device: str) -> str:
         line("+ activation checkpointing (half)", "bf16+ckpt-half", mixed, "-", "-"),
         line("both together", "bf16+ckpt-all", "fp32", "-70..80%", "-"),
         line("checkpointing in fp32", "fp32+ckpt-all", "fp32", "-", "-"),
-        line("pre-extracted latents (vs online VAE)", "fp32", "fp32+online-vae", "-", "-") if _get(rows, "fp32+online-vae") else
-        line("pre-extracted latents (vs online VAE)", "bf16-mixed", "bf16+online-vae", "-", "-"),
+        line("pre-extracted latents (vs online VAE)", "fp32", "fp32+online-vae", "-", "-")
+        if _get(rows, "fp32+online-vae")
+        else line("pre-extracted latents (vs online VAE)", "bf16-mixed", "bf16+online-vae", "-", "-"),
         "",
     ]
     ref, base = _get(rows, "reference"), _get(rows, "fp32")
@@ -339,9 +385,14 @@ def claims_section(rows: list[dict[str, Any]], device: str) -> str:
         out.append(
             f"Side by side at equal settings (fp32, same model and batch, same loss): this project's step runs "
             f"**{base['images_per_s'] / ref['images_per_s']:.2f}x** the speed of the reference-style step "
-            f"(plain softmax attention, per-parameter EMA loop) and needs **{base['peak_bytes'] / ref['peak_bytes']:.2f}x** its memory"
-            + (f" (run-to-run noise of the baseline here: {(_get(rows, 'fp32-repeat')['images_per_s'] / base['images_per_s'] - 1) * 100:+.0f}%)."
-               if _get(rows, "fp32-repeat") else ".")
+            "(plain softmax attention, per-parameter EMA loop) and needs "
+            f"**{base['peak_bytes'] / ref['peak_bytes']:.2f}x** its memory"
+            + (
+                " (run-to-run noise of the baseline here: "
+                f"{(_get(rows, 'fp32-repeat')['images_per_s'] / base['images_per_s'] - 1) * 100:+.0f}%)."
+                if _get(rows, "fp32-repeat")
+                else "."
+            )
         )
         out.append("")
     if device == "cpu":
@@ -402,19 +453,28 @@ def _cpu_verdict(rows: list[dict[str, Any]]) -> list[str]:
     return [
         "Verdict on each claim:",
         "",
-        f"- **Mixed precision, memory (-35..45%)**: {pct(mixed_mem)} here; the planner gives {proj('bf16-mixed', 'none', '32-true', 'none')} "
-        "for DiT-XL/2 at batch 32/64/128. The claim holds only for large micro-batches: under autocast the residual stream "
-        "and the LayerNorm inputs/outputs stay fp32 (48 instead of 80 bytes per token and channel, -40% on activations, "
-        "not -50%), autocast adds a 16-bit copy of the weights, and the fp32 weights/gradients/AdamW/EMA do not shrink.",
-        f"- **Mixed precision, speed (+15..25%)**: not answerable on CPU ({pct(rel('bf16-mixed', 'fp32', 'images_per_s'))} here "
+        f"- **Mixed precision, memory (-35..45%)**: {pct(mixed_mem)} here; the planner gives "
+        f"{proj('bf16-mixed', 'none', '32-true', 'none')} "
+        "for DiT-XL/2 at batch 32/64/128. The claim holds only for large micro-batches: under autocast the "
+        "residual stream "
+        "and the LayerNorm inputs/outputs stay fp32 (48 instead of 80 bytes per token and channel, -40% on "
+        "activations, "
+        "not -50%), autocast adds a 16-bit copy of the weights, and the fp32 weights/gradients/AdamW/EMA do not "
+        "shrink.",
+        "- **Mixed precision, speed (+15..25%)**: not answerable on CPU "
+        f"({pct(rel('bf16-mixed', 'fp32', 'images_per_s'))} here "
         "comes from AVX512-BF16 matmuls, not tensor cores).",
-        f"- **Activation checkpointing, memory (a further -50..60%)**: {pct(ckpt_mem)} here (all blocks, diluted by the "
-        f"small model's fixed state); the planner gives {proj('bf16-mixed', 'all', 'bf16-mixed', 'none')} at batch 32/64/128: "
+        f"- **Activation checkpointing, memory (a further -50..60%)**: {pct(ckpt_mem)} here (all blocks, diluted "
+        "by the "
+        f"small model's fixed state); the planner gives {proj('bf16-mixed', 'all', 'bf16-mixed', 'none')} at batch "
+        "32/64/128: "
         "the claimed range is the batch-64 case; it depends on how much of the peak activations are.",
-        f"- **Activation checkpointing, speed (-20..30%)**: {pct(ckpt_speed)} in fp32, {pct(ckpt_speed16)} in bf16 here "
+        f"- **Activation checkpointing, speed (-20..30%)**: {pct(ckpt_speed)} in fp32, {pct(ckpt_speed16)} in bf16 "
+        "here "
         f"(run-to-run noise: {pct(noise)}). Recomputing every block adds a third of the forward+backward FLOPs "
         "(-25% on compute-bound hardware), so this one transfers roughly; the GPU run must still confirm it.",
-        f"- **Both together (-70..80%)**: {pct(both_mem)} here; the planner gives {proj('bf16-mixed', 'all', '32-true', 'none')} "
+        f"- **Both together (-70..80%)**: {pct(both_mem)} here; the planner gives "
+        f"{proj('bf16-mixed', 'all', '32-true', 'none')} "
         "for DiT-XL/2 at batch 32/64/128: reached from batch ~64.",
         "",
     ]
@@ -424,10 +484,14 @@ def planner_projection(model: str = "DiT-XL/2", batches: tuple[int, ...] = (32, 
     """What the (CPU-validated) planner predicts for the claims at GPU scale."""
     from dit_lightning.planner import plan_memory
 
-    rows = ["The same comparisons predicted by the planner for DiT-XL/2 at 256px on one GPU (max_memory_allocated, "
-            "AdamW + EMA, foreach AdamW, flash attention):", "",
-            "| batch | fp32 (GiB) | bf16-mixed | bf16 + ckpt half | bf16 + ckpt all | mixed vs fp32 | ckpt-all vs mixed | both vs fp32 |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "The same comparisons predicted by the planner for DiT-XL/2 at 256px on one GPU (max_memory_allocated, "
+        "AdamW + EMA, foreach AdamW, flash attention):",
+        "",
+        "| batch | fp32 (GiB) | bf16-mixed | bf16 + ckpt half | bf16 + ckpt all | mixed vs fp32 | ckpt-all vs "
+        "mixed | both vs fp32 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for b in batches:
         kw = dict(micro_batch=b, fused_optimizer=False, device="cuda")
         fp32 = plan_memory(model, precision="32-true", **kw).peak_allocated
@@ -435,8 +499,11 @@ def planner_projection(model: str = "DiT-XL/2", batches: tuple[int, ...] = (32, 
         half = plan_memory(model, precision="bf16-mixed", activation_checkpointing="half", **kw).peak_allocated
         full = plan_memory(model, precision="bf16-mixed", activation_checkpointing="all", **kw).peak_allocated
         g = 1024**3
-        rows.append(f"| {b} | {fp32 / g:.1f} | {mixed / g:.1f} | {half / g:.1f} | {full / g:.1f} | {(mixed / fp32 - 1) * 100:+.0f}% | "
-                    f"{(full / mixed - 1) * 100:+.0f}% | {(full / fp32 - 1) * 100:+.0f}% |")
+        rows.append(
+            f"| {b} | {fp32 / g:.1f} | {mixed / g:.1f} | {half / g:.1f} | {full / g:.1f} | "
+            f"{(mixed / fp32 - 1) * 100:+.0f}% | "
+            f"{(full / mixed - 1) * 100:+.0f}% | {(full / fp32 - 1) * 100:+.0f}% |"
+        )
     return "\n".join(rows)
 
 
@@ -481,7 +548,11 @@ def _child(name: str, args) -> dict[str, Any]:
     cmd = _strip_option(cmd, "--isolate")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"config": name, "status": f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}", "note": ""}
+        return {
+            "config": name,
+            "status": f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}",
+            "note": "",
+        }
     row = json.loads(Path(out).read_text())
     os.unlink(out)
     return row
@@ -515,7 +586,11 @@ def _release() -> None:
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", default=None, help="DiT-XL/2 ... or custom (default: DiT-XL/2 on cuda; on cpu custom 6 blocks x 256, latent 16, batch 32)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="DiT-XL/2 ... or custom (default: DiT-XL/2 on cuda; on cpu custom 6 blocks x 256, latent 16, batch 32)",
+    )
     parser.add_argument("--depth", type=int)
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--num-heads", type=int)
@@ -524,10 +599,16 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser.add_argument("--batch", type=int, default=None, help="micro-batch (default 64 on cuda, 32 on cpu)")
     parser.add_argument("--latent-size", type=int, default=None, help="latent side (32 = 256px images; cpu default 16)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 5)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2 cuda, 1 cpu; compile >= 2)")
-    parser.add_argument("--max-seconds", type=float, default=60.0, help="stop timing a configuration after this long (>= 1 step)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps first (default 2 cuda, 1 cpu; compile >= 2)"
+    )
+    parser.add_argument(
+        "--max-seconds", type=float, default=60.0, help="stop timing a configuration after this long (>= 1 step)"
+    )
     parser.add_argument("--configs", default=None, help=f"comma-separated subset of: {', '.join(CONFIGS)}")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default 1 on cpu: stable on shared machines)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default 1 on cpu: stable on shared machines)"
+    )
     parser.add_argument("--isolate", choices=["inprocess", "subprocess"], default="inprocess")
     parser.add_argument("--out", default="docs/benchmarks")
     parser.add_argument("--name", default=None, help="file name suffix (default: model_latent_batch)")
@@ -540,7 +621,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         # and a step takes about a second on one core
         args.model = "custom"
         args.depth, args.hidden_size, args.num_heads, args.patch_size = (
-            args.depth or 6, args.hidden_size or 256, args.num_heads or 4, args.patch_size or 2)
+            args.depth or 6,
+            args.hidden_size or 256,
+            args.num_heads or 4,
+            args.patch_size or 2,
+        )
         args.latent_size = args.latent_size or 16
         args.batch = args.batch or 32
     args.model = args.model or "DiT-XL/2"
@@ -571,49 +656,93 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             try:
                 row = run_config(name, args)
             except Exception as e:  # keep the rest of the grid
-                row = {"config": name, "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", "note": ""}
+                row = {
+                    "config": name,
+                    "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
+                    "note": "",
+                }
             _release()
-        print(f"[{time.perf_counter() - t:6.1f}s] {name}: {row['status']}"
-              + (f", {row['images_per_s']:.2f} img/s, peak {row['peak_bytes'] / MiB:,.1f} MiB" if row["status"] == "ok" else ""), flush=True)
+        print(
+            f"[{time.perf_counter() - t:6.1f}s] {name}: {row['status']}"
+            + (
+                f", {row['images_per_s']:.2f} img/s, peak {row['peak_bytes'] / MiB:,.1f} MiB"
+                if row["status"] == "ok"
+                else ""
+            ),
+            flush=True,
+        )
         rows.append(row)
 
     shape = _shape_kwargs(args)
     from dit_lightning.models import dit_params, shape_of
 
-    nparams = dit_params(shape_of("custom", **{k: v for k, v in shape.items()}))
+    nparams = dit_params(shape_of("custom", **dict(shape)))
     slug = args.name or f"{args.model.lower().replace('/', '-')}_l{args.latent_size}_b{args.batch}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"optimizations_{args.device}_{slug}"
-    command = "python benchmarks/bench_optimizations.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python benchmarks/bench_optimizations.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     table = markdown_table(rows)
     date = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     md = [
-        f"# Training optimisations on {args.device.upper()}: {args.model}, latent {args.latent_size}, batch {args.batch}",
+        f"# Training optimisations on {args.device.upper()}: {args.model}, latent {args.latent_size}, batch "
+        f"{args.batch}",
         "",
         f"- machine: {_machine(args.device)}" + (f", {threads} thread(s)" if threads else ""),
         f"- date: {date}; torch {torch.__version__}; python {platform.python_version()}",
-        f"- model: {args.model} (depth {shape['depth']}, hidden {shape['hidden_size']}, heads {shape['num_heads']}, patch {shape['patch_size']}, "
-        f"{(args.latent_size // shape['patch_size']) ** 2} tokens, {nparams / 1e6:.1f}M parameters), AdamW + EMA, hybrid loss",
-        f"- timing: {args.warmup} warm-up step(s), then up to {args.steps} timed steps (at most {args.max_seconds:g} s) per configuration; "
+        f"- model: {args.model} (depth {shape['depth']}, hidden {shape['hidden_size']}, heads "
+        f"{shape['num_heads']}, patch {shape['patch_size']}, "
+        f"{(args.latent_size // shape['patch_size']) ** 2} tokens, {nparams / 1e6:.1f}M parameters), AdamW + EMA, "
+        "hybrid loss",
+        f"- timing: {args.warmup} warm-up step(s), then up to {args.steps} timed steps (at most "
+        f"{args.max_seconds:g} s) per configuration; "
         f"isolation: {args.isolate}"
-        + ("" if cuda else "; speed = images per CPU-second of this process (wall time on a shared machine depends on the neighbours; "
-           "wall-clock figures are in the CSV)"),
-        "- peak memory: " + ("`torch.cuda.max_memory_allocated` over the timed steps" if cuda else
-                             "weights + EMA + optimiser states + batch, plus the CPU allocator's peak during one step (profiler memory events)"),
+        + (
+            ""
+            if cuda
+            else "; speed = images per CPU-second of this process "
+            "(wall time on a shared machine depends on the neighbours; "
+            "wall-clock figures are in the CSV)"
+        ),
+        "- peak memory: "
+        + (
+            "`torch.cuda.max_memory_allocated` over the timed steps"
+            if cuda
+            else "weights + EMA + optimiser states + batch, plus the CPU allocator's peak during one step "
+            "(profiler memory events)"
+        ),
         f"- command: `{command}`",
         "",
         table,
         claims_section(rows, args.device),
     ]
     stem.with_suffix(".md").write_text("\n".join(md))
-    fields = ["config", "status", "images_per_s", "wall_images_per_s", "step_s", "steps", "warmup_s", "peak_bytes", "reserved_bytes", "planner_bytes", "loss", "note"]
+    fields = [
+        "config",
+        "status",
+        "images_per_s",
+        "wall_images_per_s",
+        "step_s",
+        "steps",
+        "warmup_s",
+        "peak_bytes",
+        "reserved_bytes",
+        "planner_bytes",
+        "loss",
+        "note",
+    ]
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow(r)
-    write_plot(rows, stem.with_suffix(".png"), f"{args.model} latent {args.latent_size} batch {args.batch} on {_machine(args.device)}")
+    write_plot(
+        rows,
+        stem.with_suffix(".png"),
+        f"{args.model} latent {args.latent_size} batch {args.batch} on {_machine(args.device)}",
+    )
     print()
     print(table)
     print(f"wrote {stem}.md, .csv, .png")

@@ -8,7 +8,8 @@ keyed noise shows. Weights are random (the cost does not depend on them). Markdo
 to docs/benchmarks/sampling_<device>.{md,csv}.
 
     python benchmarks/bench_sampling.py                                  # CPU: DiT-S/8, 8 samples
-    python benchmarks/bench_sampling.py --device cuda --model DiT-XL/2 --batch-size 64 --num-samples 256 --precision bf16
+    python benchmarks/bench_sampling.py --device cuda --model DiT-XL/2 --batch-size 64 --num-samples 256 \
+        --precision bf16
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -118,7 +120,15 @@ def main() -> None:
         def run() -> None:
             for s in range(0, n, b):
                 idx = torch.arange(s, min(n, s + b))
-                sample_latents(net, labels[idx.to(device)], idx, sampler=sampler, num_steps=steps, cfg_scale=args.cfg_scale, precision=args.precision)
+                sample_latents(
+                    net,
+                    labels[idx.to(device)],
+                    idx,
+                    sampler=sampler,
+                    num_steps=steps,
+                    cfg_scale=args.cfg_scale,
+                    precision=args.precision,
+                )
 
         return run
 
@@ -134,10 +144,20 @@ def main() -> None:
         (f"DDIM-{args.ddim_steps} (eta 0)", "keyed (sample_latents)", args.ddim_steps, ours("ddim", args.ddim_steps)),
     ]
     if not args.no_reference_loop:
-        configs.append((f"DDPM-{args.ddpm_steps}", "torch.Generator (reference loop)", args.ddpm_steps, ref(args.ddpm_steps)))
+        configs.append(
+            (f"DDPM-{args.ddpm_steps}", "torch.Generator (reference loop)", args.ddpm_steps, ref(args.ddpm_steps))
+        )
 
     # Warm-up: one step of each path (allocator, kernels, lazy init).
-    sample_latents(net, labels[:b], torch.arange(b), sampler="ddim", num_steps=2, cfg_scale=args.cfg_scale, precision=args.precision)
+    sample_latents(
+        net,
+        labels[:b],
+        torch.arange(b),
+        sampler="ddim",
+        num_steps=2,
+        cfg_scale=args.cfg_scale,
+        precision=args.precision,
+    )
     reference_loop(net, labels[:b], 2, args.cfg_scale, args.precision, seed=0)
 
     # Rows interleaved over the repeats (best kept), so a burst of load on a shared machine
@@ -150,7 +170,7 @@ def main() -> None:
             best[k] = min(best[k], secs)
             print(f"{name:20s} {noise:34s} {n / secs:9.4f} images/s  ({secs:.1f}s)", file=sys.stderr)
     rows = []
-    for (name, noise, steps, fn), secs in zip(configs, best):
+    for (name, noise, steps, _fn), secs in zip(configs, best):
         forwards = n * steps * (2 if args.cfg_scale != 1.0 else 1)  # CFG doubles the batch
         rows.append(
             {
@@ -201,7 +221,8 @@ def main() -> None:
             f"- model: {args.model} on {net.in_channels}x{args.latent_size}x{args.latent_size} latents "
             f"({sum(p.numel() for p in net.parameters()) / 1e6:.1f}M parameters, {macs / 1e9:.2f} GMACs per forward), "
             f"random weights, {args.precision}",
-            f"- {n} samples per row, batch {b}, CFG scale {args.cfg_scale} (doubled batch), latents only (no VAE decode); best of {args.repeats}",
+            f"- {n} samples per row, batch {b}, CFG scale {args.cfg_scale} (doubled batch), latents only (no VAE "
+            f"decode); best of {args.repeats}",
             "",
             *table,
             "",

@@ -38,7 +38,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CKPT = os.path.join(REPO, "outputs", "demo", "checkpoints", "last.ckpt")
 # The demo's model (configs/demo.yaml) and recipe.
-DEMO = dict(model="custom", depth=6, hidden_size=128, num_heads=4, patch_size=2, ema_decay=0.999, ema_warmup=True, cfg_scale=2.0)
+DEMO = dict(
+    model="custom", depth=6, hidden_size=128, num_heads=4, patch_size=2, ema_decay=0.999, ema_warmup=True, cfg_scale=2.0
+)
 
 
 def log(msg: str) -> None:
@@ -64,8 +66,15 @@ def fit(module, dm, steps: int) -> float:
     import lightning as L
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
     )
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=dm)
@@ -79,7 +88,14 @@ def train_teacher(workdir: str, dm, steps: int) -> str:
 
     L.seed_everything(0, verbose=False)
     opt = lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.0)  # noqa: E731 (the demo's)
-    module = DiTModule(**DEMO, latent_shape=dm.latent_shape, num_classes=dm.num_classes, vae=dm.spec.vae, optimizer=opt, sample_steps=100)
+    module = DiTModule(
+        **DEMO,
+        latent_shape=dm.latent_shape,
+        num_classes=dm.num_classes,
+        vae=dm.spec.vae,
+        optimizer=opt,
+        sample_steps=100,
+    )
     log(f"no demo checkpoint: training the demo model for {steps} steps")
     seconds = fit(module, dm, steps)
     path = os.path.join(workdir, "teacher.ckpt")
@@ -88,15 +104,30 @@ def train_teacher(workdir: str, dm, steps: int) -> str:
     return path
 
 
-def make_module(cfg: dict[str, Any], dm, init_from: Optional[str] = None, teacher: Optional[str] = None, lr: float = 3e-4, **kw):
+def make_module(
+    cfg: dict[str, Any], dm, init_from: Optional[str] = None, teacher: Optional[str] = None, lr: float = 3e-4, **kw
+):
     """A (Distillation)Module of architecture ``cfg`` (a ``model_config``) for the digits."""
     from dit_lightning.distill import DistillationModule
 
-    arch = {k: cfg[k] for k in ("depth", "hidden_size", "num_heads", "patch_size", "mlp_ratio", "attn_dim") if cfg.get(k) is not None}
+    arch = {
+        k: cfg[k]
+        for k in ("depth", "hidden_size", "num_heads", "patch_size", "mlp_ratio", "attn_dim")
+        if cfg.get(k) is not None
+    }
     opt = lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.0)  # noqa: E731
     module = DistillationModule(
-        teacher=teacher, model="custom", latent_shape=dm.latent_shape, num_classes=dm.num_classes, vae=dm.spec.vae,
-        init_from=init_from, optimizer=opt, cfg_scale=2.0, sample_steps=100, **arch, **kw,
+        teacher=teacher,
+        model="custom",
+        latent_shape=dm.latent_shape,
+        num_classes=dm.num_classes,
+        vae=dm.spec.vae,
+        init_from=init_from,
+        optimizer=opt,
+        cfg_scale=2.0,
+        sample_steps=100,
+        **arch,
+        **kw,
     )
     return module
 
@@ -109,11 +140,17 @@ def make_module(cfg: dict[str, Any], dm, init_from: Optional[str] = None, teache
 def quality(net, val_batch, diffusion, module=None, per_class: int = 0, sample_steps: int = 50) -> dict[str, Any]:
     from dit_lightning.models.pruning import calibration_inputs, calibration_loss
 
-    out: dict[str, Any] = {"val_loss": calibration_loss(net, diffusion, calibration_inputs(val_batch, diffusion.num_timesteps, draws=4, seed=123))}
+    out: dict[str, Any] = {
+        "val_loss": calibration_loss(
+            net, diffusion, calibration_inputs(val_batch, diffusion.num_timesteps, draws=4, seed=123)
+        )
+    }
     if per_class and module is not None:
         from dit_lightning.evaluation.digits import digits_accuracy
 
-        out["accuracy"] = digits_accuracy(module, per_class=per_class, num_steps=sample_steps, cfg_scale=2.0)["accuracy"]
+        out["accuracy"] = digits_accuracy(module, per_class=per_class, num_steps=sample_steps, cfg_scale=2.0)[
+            "accuracy"
+        ]
     return out
 
 
@@ -167,7 +204,11 @@ def child_peak_rss(spec: dict[str, Any]) -> dict[str, Any]:
     steps, counted from after its imports (``peak_MiB``), and its RSS then (``start_MiB``)."""
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)], capture_output=True, text=True, env=env, timeout=1800
+        [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"memory child failed: {proc.stderr[-2000:]}")
@@ -178,11 +219,12 @@ def child_main(spec: dict[str, Any]) -> None:
     torch.set_num_threads(spec["threads"])
     import numpy as np
 
+    from dit_lightning.checkpoints import load_dit
+
     # The same imports with or without a model, so the baseline subtracts them.
     from dit_lightning.data import LatentDataModule
     from dit_lightning.data.datamodule import LatentBatchDataset
     from dit_lightning.distill import DistillationModule  # noqa: F401
-    from dit_lightning.checkpoints import load_dit
     from dit_lightning.models import model_config
 
     ds = LatentBatchDataset(spec["store"], train=False)
@@ -230,12 +272,19 @@ def _reset_peak_rss() -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--teacher", default=None, help=f"teacher checkpoint (default {os.path.relpath(DEMO_CKPT, REPO)} if it exists)")
+    ap.add_argument(
+        "--teacher", default=None, help=f"teacher checkpoint (default {os.path.relpath(DEMO_CKPT, REPO)} if it exists)"
+    )
     ap.add_argument("--teacher-steps", type=int, default=600, help="steps of the teacher trained when there is none")
     ap.add_argument("--workdir", default=os.path.join(REPO, "outputs", "bench_shrink"))
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--finetune-steps", type=int, default=150)
-    ap.add_argument("--student-steps", type=int, default=None, help="steps of the students trained from scratch (default 2x finetune)")
+    ap.add_argument(
+        "--student-steps",
+        type=int,
+        default=None,
+        help="steps of the students trained from scratch (default 2x finetune)",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--mem-steps", type=int, default=3)
@@ -253,12 +302,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import lightning as L
 
-    from dit_lightning.diffusion import create_diffusion
-    from dit_lightning.models import DiTShape, dit_macs
     from dit_lightning.checkpoints import load_dit
     from dit_lightning.checkpoints import save_dit as save_pruned
     from dit_lightning.commands.prune import prune
-    from dit_lightning.models import model_config
+    from dit_lightning.diffusion import create_diffusion
+    from dit_lightning.models import DiTShape, dit_macs, model_config
 
     os.makedirs(args.workdir, exist_ok=True)
     store, dm = digits_data(args.workdir, args.batch_size)
@@ -281,10 +329,14 @@ def main() -> None:
     # ---- the shrunk models ------------------------------------------------------------------
     files: dict[str, str] = {}
     base_net = load_dit(teacher).net
-    files["teacher (demo)"] = save_pruned(base_net, os.path.join(W, "teacher.pt"), ema=base_net, extra_args={"num_heads": base_net.num_heads})
+    files["teacher (demo)"] = save_pruned(
+        base_net, os.path.join(W, "teacher.pt"), ema=base_net, extra_args={"num_heads": base_net.num_heads}
+    )
     files["depth 6->3"] = prune(teacher, os.path.join(W, "depth3.pt"), depth=3, calibration=calib, calibration_draws=2)
     files["mlp 4.0->2.0"] = prune(teacher, os.path.join(W, "mlp2.pt"), mlp_ratio=2.0)
-    files["depth 3 + mlp 2.0"] = prune(teacher, os.path.join(W, "depth3-mlp2.pt"), depth=3, mlp_ratio=2.0, calibration=calib, calibration_draws=2)
+    files["depth 3 + mlp 2.0"] = prune(
+        teacher, os.path.join(W, "depth3-mlp2.pt"), depth=3, mlp_ratio=2.0, calibration=calib, calibration_draws=2
+    )
     files["heads 4->2"] = prune(teacher, os.path.join(W, "heads2.pt"), heads=2)
 
     rows: dict[str, dict[str, Any]] = {}
@@ -320,7 +372,13 @@ def main() -> None:
     m = make_module(model_config(net), dm, init_from=files[name], ema_decay=0.99)
     secs = fit(m, dm, args.finetune_steps)
     q = quality(m.ema, val_batch, diffusion, m.eval(), args.per_class, args.sample_steps)
-    plain = dict(rows[name], config=name + ", plain fine-tune", val_loss_finetuned=q["val_loss"], acc_finetuned=q.get("accuracy"), finetune_s=secs)
+    plain = dict(
+        rows[name],
+        config=name + ", plain fine-tune",
+        val_loss_finetuned=q["val_loss"],
+        acc_finetuned=q.get("accuracy"),
+        finetune_s=secs,
+    )
     rows[plain["config"]] = plain
     log(f"{name} fine-tuned without teacher: {q}")
 
@@ -335,12 +393,25 @@ def main() -> None:
         m = make_module(student_cfg, dm, lr=1e-3, ema_decay=0.99, **kw)
         secs = fit(m, dm, args.student_steps)
         q = quality(m.ema, val_batch, diffusion, m.eval(), args.per_class, args.sample_steps)
-        path = save_pruned(m.ema, os.path.join(W, label.split(",")[0].replace(" ", "_").replace("/", "") + ("-kd" if kw else "-alone") + ".pt"), ema=m.ema)
+        path = save_pruned(
+            m.ema,
+            os.path.join(
+                W, label.split(",")[0].replace(" ", "_").replace("/", "") + ("-kd" if kw else "-alone") + ".pt"
+            ),
+            ema=m.ema,
+        )
         files[label] = path
         rows[label] = {
-            "config": label, "depth": 3, "hidden": 96, "heads": 4, "mlp_ratio": 4.0,
-            "params_M": sum(p.numel() for p in m.model.parameters()) / 1e6, "GMACs": dit_macs(DiTShape.of(m.model)) / 1e9,
-            "val_loss_finetuned": q["val_loss"], "acc_finetuned": q.get("accuracy"), "finetune_s": secs,
+            "config": label,
+            "depth": 3,
+            "hidden": 96,
+            "heads": 4,
+            "mlp_ratio": 4.0,
+            "params_M": sum(p.numel() for p in m.model.parameters()) / 1e6,
+            "GMACs": dit_macs(DiTShape.of(m.model)) / 1e9,
+            "val_loss_finetuned": q["val_loss"],
+            "acc_finetuned": q.get("accuracy"),
+            "finetune_s": secs,
         }
         log(f"{label} ({args.student_steps} steps from scratch, {secs:.0f} s): {q}")
 
@@ -362,7 +433,10 @@ def main() -> None:
     for name, v in ips.items():
         if name in rows:
             rows[name]["train_img_s"] = v
-    rows["student d3/h96 + teacher fwd"] = {"config": "student d3/h96 + teacher fwd (distillation step)", "train_img_s": ips["student d3/h96 + teacher fwd"]}
+    rows["student d3/h96 + teacher fwd"] = {
+        "config": "student d3/h96 + teacher fwd (distillation step)",
+        "train_img_s": ips["student d3/h96 + teacher fwd"],
+    }
 
     # ---- peak memory, one fresh process per configuration -----------------------------------------
     log("peak RSS per configuration")
@@ -411,7 +485,8 @@ def write_report(rows: list[dict[str, Any]], args, teacher: str, base_rss: float
     table = "\n".join(lines)
     cmd = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]])
     shown = os.path.relpath(teacher, REPO) if os.path.abspath(teacher).startswith(REPO + os.sep) else teacher
-    machine = f"{socket.gethostname()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads"
+    cpu = platform.processor() or platform.machine()
+    machine = f"{socket.gethostname()}, {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads"
     md = f"""# Shrinking the digits DiT on CPU
 
 - date: {dt.datetime.now().isoformat(timespec="seconds")}
@@ -428,7 +503,7 @@ def write_report(rows: list[dict[str, Any]], args, teacher: str, base_rss: float
 - digits acc: {args.per_class} samples per class, {args.sample_steps} DDPM steps, cfg 2.0, classified by an SVC
   trained on real digits. Pruned rows are fine-tuned with distillation from the teacher (alpha 1/1/1)
   unless marked "plain".
-{('- ' + args.note) if args.note else ''}
+{("- " + args.note) if args.note else ""}
 
 {table}
 """
@@ -440,7 +515,9 @@ def write_report(rows: list[dict[str, Any]], args, teacher: str, base_rss: float
         w.writerow(["# " + md.split("\n")[2][2:], md.split("\n")[3][2:], md.split("\n")[4][2:]])
         w.writerow([k for k, _, _ in COLUMNS] + ["finetune_s"])
         for r in rows:
-            w.writerow([r.get(k, "") if r.get(k) is not None else "" for k, _, _ in COLUMNS] + [r.get("finetune_s", "")])
+            w.writerow(
+                [r.get(k, "") if r.get(k) is not None else "" for k, _, _ in COLUMNS] + [r.get("finetune_s", "")]
+            )
     print(md)
 
 

@@ -186,7 +186,18 @@ def max_abs_difference(project_model: nn.Module, reference: ReferenceDiT, batch:
 
 def build_reference(shape_kwargs: dict, device: Optional[torch.device] = None) -> ReferenceDiT:
     """A reference network with the sizes of a project DiT (``DiTShape`` fields)."""
-    keys = ("input_size", "patch_size", "in_channels", "hidden_size", "depth", "num_heads", "mlp_ratio", "class_dropout_prob", "num_classes", "learn_sigma")
+    keys = (
+        "input_size",
+        "patch_size",
+        "in_channels",
+        "hidden_size",
+        "depth",
+        "num_heads",
+        "mlp_ratio",
+        "class_dropout_prob",
+        "num_classes",
+        "learn_sigma",
+    )
     with torch.device(device or "cpu"):  # initialise on the device (fast for large models)
         model = ReferenceDiT(**{k: shape_kwargs[k] for k in keys if k in shape_kwargs})
     return model.to(device or "cpu")  # pos_embed comes from numpy, on the CPU

@@ -19,9 +19,9 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Callable, Union
+from typing import IO, Any, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 

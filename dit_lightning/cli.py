@@ -78,7 +78,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         subclass_mode_model=True,  # DiTModule or a subclass (dit_lightning.distill.DistillationModule)
         save_config_callback=TensorBoardConfigLogger,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": "Train DiT with Lightning. Tools: " + ", ".join(TOOLS) + " (dit-lightning TOOL --help)."},
+        parser_kwargs={
+            "description": "Train DiT with Lightning. Tools: " + ", ".join(TOOLS) + " (dit-lightning TOOL --help)."
+        },
         args=argv,  # None: LightningCLI reads sys.argv itself
     )
 

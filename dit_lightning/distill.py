@@ -22,15 +22,15 @@ runs evaluate it under the same autocast as the student.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any, Callable, Literal, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .models import DiT
 from .checkpoints import load_dit
+from .models import DiT
 from .module import _VAL_STEP_KEY, DiTModule
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,11 @@ class DistillationModule(DiTModule):
         problems = [
             f"{name}: student {a}, teacher {b}"
             for name, a, b in (
-                ("latent_shape", (s.in_channels, s.input_size, s.input_size), (net.in_channels, net.input_size, net.input_size)),
+                (
+                    "latent_shape",
+                    (s.in_channels, s.input_size, s.input_size),
+                    (net.in_channels, net.input_size, net.input_size),
+                ),
                 ("num_classes", s.num_classes, net.num_classes),
                 ("learn_sigma", s.learn_sigma, net.learn_sigma),
             )
@@ -113,10 +117,14 @@ class DistillationModule(DiTModule):
         if self.hparams.class_dropout_prob > 0 and net.y_embedder.embedding_table.num_embeddings <= net.num_classes:
             problems.append("label dropout: the student drops labels but the teacher has no null-class embedding")
         if self.feature_pairs and s.patch_size != net.patch_size:
-            problems.append(f"feature distillation needs equal token counts: patch size student {s.patch_size}, teacher {net.patch_size}")
+            problems.append(
+                f"feature distillation needs equal token counts: patch size student {s.patch_size}, teacher "
+                f"{net.patch_size}"
+            )
         if problems:
             raise ValueError(
-                f"teacher '{path}' does not match the student: " + "; ".join(problems)
+                f"teacher '{path}' does not match the student: "
+                + "; ".join(problems)
                 + ". Configure the student (and data) like the teacher's."
             )
 
@@ -172,7 +180,9 @@ class DistillationModule(DiTModule):
 
         return [blocks[i].register_forward_hook(make(i)) for i in sorted(set(indices))]
 
-    def distillation_loss(self, net: nn.Module, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
+    def distillation_loss(
+        self, net: nn.Module, batch: dict[str, Tensor], step_key: int, train: bool
+    ) -> dict[str, Tensor]:
         """The weighted total ``loss`` and its terms: ``diffusion`` (hybrid loss), ``mse``,
         ``vb``, ``distill_eps``, ``distill_var`` and ``distill_feat``."""
         weighted = self.alpha_output or self.alpha_variance or (self.alpha_feature and self.feature_pairs)
@@ -216,8 +226,20 @@ class DistillationModule(DiTModule):
                     fs, ft = F.layer_norm(fs, fs.shape[-1:]), F.layer_norm(ft, ft.shape[-1:])
                 losses.append(F.mse_loss(fs, ft))
             feat = torch.stack(losses).mean()
-        total = self.alpha_diffusion * terms["loss"] + self.alpha_output * eps + self.alpha_variance * var + self.alpha_feature * feat
-        return {**terms, "diffusion": terms["loss"], "loss": total, "distill_eps": eps, "distill_var": var, "distill_feat": feat}
+        total = (
+            self.alpha_diffusion * terms["loss"]
+            + self.alpha_output * eps
+            + self.alpha_variance * var
+            + self.alpha_feature * feat
+        )
+        return {
+            **terms,
+            "diffusion": terms["loss"],
+            "loss": total,
+            "distill_eps": eps,
+            "distill_var": var,
+            "distill_feat": feat,
+        }
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         terms = self.distillation_loss(self.model, batch, self.global_step, train=True)

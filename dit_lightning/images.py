@@ -90,12 +90,18 @@ def write_npz_from_pngs(paths: Sequence[Union[str, Path]], output: Union[str, Pa
     def write(fileobj) -> None:
         with zipfile.ZipFile(fileobj, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             with zf.open("arr_0.npy", "w", force_zip64=True) as f:
-                header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False, "shape": shape}
+                header = {
+                    "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+                    "fortran_order": False,
+                    "shape": shape,
+                }
                 np.lib.format.write_array_header_1_0(f, header)
                 for k, p in enumerate(paths):
                     arr = first if k == 0 else load_png_rgb(p)
                     if arr.shape != first.shape:
-                        raise ValueError(f"{p} is {arr.shape[1]}x{arr.shape[0]}, the others {first.shape[1]}x{first.shape[0]}")
+                        raise ValueError(
+                            f"{p} is {arr.shape[1]}x{arr.shape[0]}, the others {first.shape[1]}x{first.shape[0]}"
+                        )
                     f.write(np.ascontiguousarray(arr).tobytes())
 
     return atomic_write(output, write)

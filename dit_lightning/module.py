@@ -125,7 +125,9 @@ class DiTModule(L.LightningModule):
             qk_norm=qk_norm,
             activation_checkpointing=activation_checkpointing,
         )
-        self.diffusion = create_diffusion("", noise_schedule=noise_schedule, learn_sigma=learn_sigma, diffusion_steps=diffusion_steps)
+        self.diffusion = create_diffusion(
+            "", noise_schedule=noise_schedule, learn_sigma=learn_sigma, diffusion_steps=diffusion_steps
+        )
         self.optimizer_factory = optimizer
         self.ema: Optional[DiT] = None
         initial = read_checkpoint(init_from) if init_from else None
@@ -202,7 +204,12 @@ class DiTModule(L.LightningModule):
         else:
             fused = self._use_fused()
             optimizer = torch.optim.AdamW(
-                params, lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, fused=fused or None, foreach=None if fused else True
+                params,
+                lr=1e-4,
+                betas=(0.9, 0.999),
+                weight_decay=0.0,
+                fused=fused or None,
+                foreach=None if fused else True,
             )
         if self.hparams.warmup_steps <= 0:
             return optimizer
@@ -269,10 +276,14 @@ class DiTModule(L.LightningModule):
                 self.log("train/grad_norm", norm, batch_size=1)
 
     def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: Optional[str] = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
     ) -> None:
         clip_gradients(  # clipping by norm that also works under FSDP1/FSDP2
-            self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+            self, optimizer, gradient_clip_val, gradient_clip_algorithm
+        )
 
     # ---- EMA ----------------------------------------------------------------------------
     def ema_decay_at(self, step: int) -> float:
@@ -287,7 +298,8 @@ class DiTModule(L.LightningModule):
         if self.ema is None:
             return
         ema_update_(  # lerps local shards under FSDP: never gathers
-            self.ema, self.model, 1.0 - self.ema_decay_at(self.global_step))
+            self.ema, self.model, 1.0 - self.ema_decay_at(self.global_step)
+        )
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         # Called once per optimiser step (after all accumulated micro-batches), so the EMA

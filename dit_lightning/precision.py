@@ -62,7 +62,7 @@ def optional_dtype(precision: DTypeLike) -> Optional[torch.dtype]:
 
 
 def short_name(precision: DTypeLike) -> str:
-    """"fp32", "bf16", "fp16" (or "fp64") for any spelling."""
+    """ "fp32", "bf16", "fp16" (or "fp64") for any spelling."""
     return _SHORT[to_dtype(precision)]
 
 

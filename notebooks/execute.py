@@ -109,7 +109,7 @@ def find_machine_paths(nb: Any, prefixes: Optional[list[str]] = None, allowed: O
                         seen.add(at)
                         if p in allowed:
                             continue
-                        hits.append(f"cell {n}: ...{text[max(0, at - 20): end + 40]!r}...")
+                        hits.append(f"cell {n}: ...{text[max(0, at - 20) : end + 40]!r}...")
     return hits
 
 
@@ -160,7 +160,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     parser.add_argument("--check", action="store_true", help="only report machine paths in the committed outputs")
     args = parser.parse_args(argv)
-    paths = [Path(p) if Path(p).exists() else NOTEBOOKS / p for p in args.notebooks] or sorted(NOTEBOOKS.glob("*.ipynb"))
+    paths = [Path(p) if Path(p).exists() else NOTEBOOKS / p for p in args.notebooks] or sorted(
+        NOTEBOOKS.glob("*.ipynb")
+    )
     status = 0
     if args.check:
         for path in paths:
@@ -178,7 +180,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         seconds = time.perf_counter() - start
         scrubbed = scrub_machine_paths(nb)
         nbformat.write(nb, path)
-        print(f"{path.name}: {seconds:.1f} s (load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})", flush=True)
+        print(
+            f"{path.name}: {seconds:.1f} s (load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})", flush=True
+        )
         for h in scrubbed:
             print("    scrubbed", h)
     return status

@@ -15,7 +15,14 @@ from torch import Tensor, nn
 
 from ..atomic import write_json
 from ..evaluation.digits import digits_metrics, uint8_digit_features
-from ..evaluation.fid import FeatureStats, build_extractor, check_metrics, find_inception_weights, metrics_from_features, reference_stats
+from ..evaluation.fid import (
+    FeatureStats,
+    build_extractor,
+    check_metrics,
+    find_inception_weights,
+    metrics_from_features,
+    reference_stats,
+)
 from ..images import to_uint8
 from ..sampling import LabelPlan, LabelSpec, Sampler, parse_labels
 from ..vae import is_pixel_space
@@ -120,7 +127,9 @@ class GenerationMetrics(L.Callback):
     def _active(self, stage: Optional[str]) -> bool:
         if not self.metrics:
             return False
-        return (stage == "test" and "test" in self.stages) or (stage in ("fit", "validate") and "validate" in self.stages)
+        return (stage == "test" and "test" in self.stages) or (
+            stage in ("fit", "validate") and "validate" in self.stages
+        )
 
     def check(self, pl_module: L.LightningModule) -> None:
         """Raise a clear error for settings that cannot be measured (called in ``setup``)."""
@@ -152,7 +161,9 @@ class GenerationMetrics(L.Callback):
         if not self.image_metrics:
             return
         device = trainer.strategy.root_device
-        extractor, self._dim = build_extractor(self.image_metrics, self.inception_weights, self.feature_extractor, self.antialias)
+        extractor, self._dim = build_extractor(
+            self.image_metrics, self.inception_weights, self.feature_extractor, self.antialias
+        )
         self._extractor = extractor.to(device).eval()
         if trainer.is_global_zero and self.reference is not None and ("fid" in self.metrics or "kid" in self.metrics):
             # Rank 0 alone holds the reference: the metrics are computed there.
@@ -163,7 +174,9 @@ class GenerationMetrics(L.Callback):
 
     # ---- sampling and measuring -------------------------------------------------------------
     @torch.no_grad()
-    def _local_features(self, trainer: L.Trainer, pl_module: Any, indices: Tensor, plan: LabelPlan) -> dict[str, Tensor]:
+    def _local_features(
+        self, trainer: L.Trainer, pl_module: Any, indices: Tensor, plan: LabelPlan
+    ) -> dict[str, Tensor]:
         """Features of this rank's samples ``indices`` (on the device: all_gather needs them there)."""
         device = pl_module.device
         parts: dict[str, list[Tensor]] = {"image": [], "digits": []}
@@ -203,7 +216,11 @@ class GenerationMetrics(L.Callback):
         if trainer.is_global_zero:
             result = {"num_samples": self.num_samples}
             if "image" in gathered:
-                result.update(metrics_from_features(gathered["image"], self.image_metrics, self._reference, self._dim, self.kid_subset_size))
+                result.update(
+                    metrics_from_features(
+                        gathered["image"], self.image_metrics, self._reference, self._dim, self.kid_subset_size
+                    )
+                )
                 if self._reference is not None:
                     result["num_reference"] = int(self._reference.num_samples)
             if "digits" in gathered:
@@ -251,4 +268,3 @@ class GenerationMetrics(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if "validate" in self.stages and self.metrics and not trainer.sanity_checking:
             self._run(trainer, pl_module, "val")
-

@@ -116,7 +116,9 @@ class GPUMemoryMonitor(FitSummaryPart, L.Callback):
         self._summary_reset()
         self.fit_peaks = {}
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._step_at_start = trainer.global_step
 
     def on_train_batch_end(
@@ -164,8 +166,10 @@ class GPUMemoryMonitor(FitSummaryPart, L.Callback):
         parts = []
         if "peak_allocated_gib" in p:
             parts.append(
-                f"peak GPU memory {p['peak_allocated_gib']:.2f} GiB allocated / {p['peak_reserved_gib']:.2f} GiB reserved"
-                f" of {p.get('total_gib', float('nan')):.1f} GiB{ranks}, {int(p.get('alloc_retries', 0))} alloc retries,"
+                f"peak GPU memory {p['peak_allocated_gib']:.2f} GiB allocated / {p['peak_reserved_gib']:.2f} GiB "
+                "reserved"
+                f" of {p.get('total_gib', float('nan')):.1f} GiB{ranks}, {int(p.get('alloc_retries', 0))} alloc "
+                "retries,"
                 f" {int(p.get('ooms', 0))} OOMs"
             )
         if "cpu_peak_rss_gib" in p:

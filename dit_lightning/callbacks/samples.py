@@ -24,7 +24,9 @@ class PredictionWriter(BasePredictionWriter):
         super().__init__(write_interval="batch")
         self.output_dir = Path(output_dir)
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0) -> None:
+    def write_on_batch_end(
+        self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0
+    ) -> None:
         arrays = to_uint8(prediction["images"])
         for i, y, array in zip(prediction["index"].tolist(), prediction["y"].tolist(), arrays):
             save_sample(array, self.output_dir, i, y)

@@ -29,6 +29,7 @@ from ..precision import DTypeLike, compute_dtype, to_dtype
 
 log = logging.getLogger(__name__)
 
+
 def device_peak_flops(device: torch.device, precision: DTypeLike) -> Optional[float]:
     """Peak dense FLOP/s of ``device`` for matmuls at ``precision`` (any spelling, or a dtype): the
     project's GPU table first (:mod:`dit_lightning.planner.hardware`), then Lightning's
@@ -325,7 +326,9 @@ class DiTThroughputMonitor(FitSummaryPart, L.Callback):
         flops = getattr(pl_module, "flops_per_image", None)
         if callable(flops):
             value = flops()
-            self.flops_per_image = (float(value[0]), float(value[1])) if isinstance(value, tuple) else (float(value),) * 2
+            self.flops_per_image = (
+                (float(value[0]), float(value[1])) if isinstance(value, tuple) else (float(value),) * 2
+            )
         else:
             self.flops_per_image = None
         self.tokens_per_image = _tokens_per_image(pl_module)
@@ -334,7 +337,9 @@ class DiTThroughputMonitor(FitSummaryPart, L.Callback):
             log.info("no peak FLOP/s known for %s: MFU not logged (pass peak_flops to enable it)", where)
 
     # ---- timing hooks -----------------------------------------------------------------------
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._clock is None:
             return
         self._start = self._clock.mark()
@@ -359,7 +364,9 @@ class DiTThroughputMonitor(FitSummaryPart, L.Callback):
                 log_to_loggers(trainer, metrics)
                 if self.prog_bar:
                     value = metrics["throughput/images_per_sec"]
-                    pl_module.log("img/s", value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+                    pl_module.log(
+                        "img/s", value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1
+                    )
         elif trainer.log_every_n_steps <= 0 and trainer.global_step % _FALLBACK_WINDOW_STEPS == 0:
             self._close_window(trainer)
 
@@ -435,7 +442,9 @@ class DiTThroughputMonitor(FitSummaryPart, L.Callback):
             dtype = compute_dtype(trainer)
             on_cuda = trainer.strategy.root_device.type == "cuda"
             kind = "tf32" if dtype == torch.float32 and on_cuda and tf32_enabled() else str(dtype).replace("torch.", "")
-            parts.append(f"MFU {_percent(s['mfu'])} HFU {_percent(s['hfu'])} of {peak / 1e12:.4g} TFLOP/s {kind}/device")
+            parts.append(
+                f"MFU {_percent(s['mfu'])} HFU {_percent(s['hfu'])} of {peak / 1e12:.4g} TFLOP/s {kind}/device"
+            )
         elif "device_tflops" in s:
             parts.append(f"{s['device_tflops']:.4g} TFLOP/s/device (MFU n/a: unknown peak, set peak_flops)")
         parts.append(f"data wait {_percent(s['data_wait_fraction'])}")

@@ -62,7 +62,9 @@ def infer_dit_config(sd: StateDict) -> dict[str, Any]:
         "num_classes": table - 1,
         "class_dropout_prob": 0.1,
     }
-    named = [c for c in DIT_CONFIGS.values() if (c["depth"], c["hidden_size"], c["patch_size"]) == (depth, hidden, patch)]
+    named = [
+        c for c in DIT_CONFIGS.values() if (c["depth"], c["hidden_size"], c["patch_size"]) == (depth, hidden, patch)
+    ]
     cfg["num_heads"] = named[0]["num_heads"] if named else max(1, hidden // 64)
     if attn_dim != hidden:  # head-pruned: exact heads with QK-norm (its weight has the head size)
         cfg["attn_dim"] = attn_dim

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from ..atomic import save_torch
-from ..models.dit import DiT
 from ..models.config import model_config
+from ..models.dit import DiT
 from .architecture import dit_config_of
 from .formats import StateDict, read_checkpoint
 
@@ -33,7 +33,9 @@ def to_reference_format(
     return out
 
 
-def save_dit(model: DiT, path: Union[str, Path], ema: Optional[DiT] = None, extra_args: Optional[dict[str, Any]] = None) -> str:
+def save_dit(
+    model: DiT, path: Union[str, Path], ema: Optional[DiT] = None, extra_args: Optional[dict[str, Any]] = None
+) -> str:
     """Write a live DiT in the reference format ``{model, ema, args}``, its configuration in
     ``args["model_config"]`` and the flat DiT arguments (``depth``, ``num_heads``...) next to it,
     so that ``init_from``, ``sample`` and ``export`` rebuild it exactly."""

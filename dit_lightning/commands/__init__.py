@@ -4,7 +4,7 @@ over library functions. :data:`TOOLS` is the one table the CLI builds its tool l
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 # tool name -> (module under dit_lightning.commands, function), imported only when the tool runs.
 TOOLS: dict[str, tuple[str, str]] = {

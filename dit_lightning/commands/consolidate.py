@@ -5,7 +5,9 @@ from __future__ import annotations
 from ..checkpoints import ExportFormat, export_checkpoint
 
 
-def consolidate(checkpoint: str, output: str, format: ExportFormat = "reference", include_optimizer: bool = True) -> str:
+def consolidate(
+    checkpoint: str, output: str, format: ExportFormat = "reference", include_optimizer: bool = True
+) -> str:
     """Turn a sharded checkpoint directory (FSDP2 / FSDP1 ``state_dict_type="sharded"``) into a
     single-file checkpoint a plain DiT loads with ``strict=True`` (a single-file checkpoint is
     exported as by ``dit-lightning export``).

@@ -71,21 +71,36 @@ def evaluate(
     )  # fmt: skip
     if not result["complete"]:
         return None  # another rank finishes the set and measures it
-    dev = str(torch.device("cuda", 0) if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = str(
+        torch.device("cuda", 0)
+        if device == "auto" and torch.cuda.is_available()
+        else ("cpu" if device == "auto" else device)
+    )
     samples_dir = result["samples_dir"]
     out: dict[str, Any] = {"samples": result["npz"] or samples_dir, "reference": reference}
     image_metrics = [m for m in wanted if m != "digits"]
     if image_metrics:
         out.update(
             compute_metrics(
-                samples_dir, reference, image_metrics, inception_weights, feature_extractor, antialias, cache_dir,
-                image_size=image_size, max_samples=num_samples, max_reference=max_reference, device=dev,
+                samples_dir,
+                reference,
+                image_metrics,
+                inception_weights,
+                feature_extractor,
+                antialias,
+                cache_dir,
+                image_size=image_size,
+                max_samples=num_samples,
+                max_reference=max_reference,
+                device=dev,
             )  # fmt: skip
         )
     if "digits" in wanted:
         out["digits"] = digits_metrics_from_samples(samples_dir, limit=num_samples)
     config = json.loads((Path(output) / "sample_config.json").read_text())
-    out["sampling"] = {k: config[k] for k in ("sampler", "num_steps", "cfg_scale", "guide_channels", "seed", "weights", "vae")}
+    out["sampling"] = {
+        k: config[k] for k in ("sampler", "num_steps", "cfg_scale", "guide_channels", "seed", "weights", "vae")
+    }
     write_json(Path(output) / "metrics.json", out)
     if progress:
         shown = {k: v for k, v in out.items() if k in ("fid", "is", "kid", "num_samples", "num_reference")}

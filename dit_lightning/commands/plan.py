@@ -5,7 +5,16 @@ from __future__ import annotations
 import sys
 from typing import Literal, Optional, Union
 
-from ..planner.memory import CheckpointArg, DeviceKind, MemoryPlan, OptimizerName, Precision, Sharding, Strategy, plan_memory
+from ..planner.memory import (
+    CheckpointArg,
+    DeviceKind,
+    MemoryPlan,
+    OptimizerName,
+    Precision,
+    Sharding,
+    Strategy,
+    plan_memory,
+)
 from ..planner.recommend import Recommendation, recommend
 from ..planner.report import render_memory, render_recommendation
 
@@ -72,7 +81,14 @@ def plan(
         in_channels: latent channels (4 for the SD VAE).
         num_classes: number of classes (1000 for ImageNet).
     """
-    shape = dict(depth=depth, hidden_size=hidden_size, num_heads=num_heads, patch_size=patch_size, in_channels=in_channels, num_classes=num_classes)
+    shape = dict(
+        depth=depth,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        patch_size=patch_size,
+        in_channels=in_channels,
+        num_classes=num_classes,
+    )
     if fit:
         result: Union[MemoryPlan, Recommendation] = recommend(
             model,

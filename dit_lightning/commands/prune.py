@@ -83,7 +83,11 @@ def prune(
         diffusion_steps=diffusion_steps or args.get("diffusion_steps") or 1000,
     )
     batch = load_calibration_batch(calibration, calibration_size, seed) if calibration else None
-    report: dict[str, Any] = {"pruned_from": str(checkpoint), "weights": weights, "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    report: dict[str, Any] = {
+        "pruned_from": str(checkpoint),
+        "weights": weights,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     params_before = sum(p.numel() for p in model.parameters())
     macs_before = dit_macs(DiTShape.of(model))
     if batch is not None:
@@ -122,7 +126,8 @@ def prune(
     save_dit(model, output, ema=model, extra_args={**carry, "pruning": report})
     cfg = model_config(model)
     print(
-        f"pruned {checkpoint} -> {output}: depth {cfg['depth']}, mlp_ratio {cfg['mlp_ratio']:.4g}, heads {cfg['num_heads']}; "
+        f"pruned {checkpoint} -> {output}: depth {cfg['depth']}, mlp_ratio {cfg['mlp_ratio']:.4g}, heads "
+        f"{cfg['num_heads']}; "
         f"{report['params_before'] / 1e6:.3f}M -> {report['params_after'] / 1e6:.3f}M parameters"
         + (
             f"; calibration loss {report['calibration_loss_before']:.4f} -> {report['calibration_loss_after']:.4f}"

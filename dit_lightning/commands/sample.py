@@ -54,7 +54,11 @@ def weights_fingerprint(net: nn.Module) -> str:
     overwritten by more training keeps its name and size) without hashing gigabytes."""
     sd = net.state_dict()
     h = hashlib.sha1()
-    for name in ("final_layer.linear.weight", "final_layer.adaLN_modulation.1.weight", "y_embedder.embedding_table.weight"):
+    for name in (
+        "final_layer.linear.weight",
+        "final_layer.adaLN_modulation.1.weight",
+        "y_embedder.embedding_table.weight",
+    ):
         h.update(sd[name].detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -184,7 +188,10 @@ def sample(
             "checkpoint": str(checkpoint),
             "weights_fingerprint": weights_fingerprint(net),
             "checkpoint_format": loaded.format,
-            "model": {k: loaded.config[k] for k in ("depth", "hidden_size", "num_heads", "patch_size", "in_channels", "input_size", "num_classes")},
+            "model": {
+                k: loaded.config[k]
+                for k in ("depth", "hidden_size", "num_heads", "patch_size", "in_channels", "input_size", "num_classes")
+            },
             "weights": loaded.weights,
             "labels": plan.describe(),
             "num_samples": int(num_samples),

@@ -4,6 +4,7 @@ Names are imported lazily so that, e.g., ``torchrun -m dit_lightning.data.extrac
 store reader does not pay for importing Lightning.
 """
 
+# ruff: noqa: F401  (the TYPE_CHECKING imports name the lazy exports for type checkers)
 from __future__ import annotations
 
 import importlib

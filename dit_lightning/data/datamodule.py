@@ -25,8 +25,8 @@ import json
 import os
 import warnings
 import weakref
-from collections.abc import Iterator
-from typing import Any, Callable, Literal, NamedTuple, Optional, Union
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 import lightning as L
 import numpy as np
@@ -240,7 +240,7 @@ class _CopyOut:
         self._it, self._shape, self._pin = it, shape, pin
         self._pool_np = pool.numpy()
 
-    def __iter__(self) -> "_CopyOut":
+    def __iter__(self) -> _CopyOut:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -504,7 +504,9 @@ class LatentDataModule(L.LightningDataModule):
         """Per-device batch of one forward (known after ``setup``; before, as for one device)."""
         return self._micro if self._micro is not None else self.global_batch_size
 
-    def check_compatible(self, latent_shape: Optional[tuple[int, ...]] = None, num_classes: Optional[int] = None) -> None:
+    def check_compatible(
+        self, latent_shape: Optional[tuple[int, ...]] = None, num_classes: Optional[int] = None
+    ) -> None:
         """Raise ValueError if a model with these latent shape / classes cannot train on this store."""
         st.check_compatible(self.spec, latent_shape, num_classes, where=f"the store at {self.path}")
 
@@ -613,7 +615,6 @@ class LatentDataModule(L.LightningDataModule):
         )
         dataset = LatentBatchDataset(self.store, train=False)  # type: ignore[arg-type]
         return BatchDataLoader(dataset, sampler, **self._loader_kwargs())
-
 
     def predict_dataloader(self) -> DataLoader:
         """Sample requests ``{"index", "y"}`` for ``DiTModule.predict_step`` (Lightning shards them over ranks)."""

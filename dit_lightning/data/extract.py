@@ -14,7 +14,6 @@ Runs on the GPU when there is one (``device="auto"``); the VAE stays in float32 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -212,7 +211,19 @@ def extract_latents(
         if vae_model is None:
             vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))
         _encode_shards(
-            output, spec, image_root, paths, labels, mine, vae_model, dev, batch_size, num_workers, seed, show, stats,
+            output,
+            spec,
+            image_root,
+            paths,
+            labels,
+            mine,
+            vae_model,
+            dev,
+            batch_size,
+            num_workers,
+            seed,
+            show,
+            stats,
             label=f"{rank}/{world_size}",
         )
 
@@ -333,8 +344,14 @@ def _encode_shards(
                     else np.zeros((0, *spec.sample_shape), spec.np_dtype)
                 )
                 st.write_shard(
-                    output, current, spec, data, np.asarray(pending["labels"], np.int32),
-                    pending["sources"], pending["report"], after_data_hook=hook,
+                    output,
+                    current,
+                    spec,
+                    data,
+                    np.asarray(pending["labels"], np.int32),
+                    pending["sources"],
+                    pending["report"],
+                    after_data_hook=hook,
                 )
                 stats["shards_written"] += 1
                 if exit_after is not None and not exit_mid and stats["shards_written"] == exit_after:
@@ -403,5 +420,7 @@ if __name__ == "__main__":  # the older spelling of `dit-lightning extract` (tor
 
     from ..cli import main
 
-    warnings.warn("`-m dit_lightning.data.extract` is deprecated: use `-m dit_lightning.cli extract`", FutureWarning, stacklevel=1)
+    warnings.warn(
+        "`-m dit_lightning.data.extract` is deprecated: use `-m dit_lightning.cli extract`", FutureWarning, stacklevel=1
+    )
     main(["extract", *sys.argv[1:]])

@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import resource
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, Optional, Union
 
@@ -123,7 +122,7 @@ class StoreSpec:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "StoreSpec":
+    def from_json(cls, d: dict[str, Any]) -> StoreSpec:
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
         kw["latent_shape"] = tuple(int(v) for v in kw["latent_shape"])
@@ -152,9 +151,7 @@ def write_plan(root: PathLike, spec: StoreSpec) -> StoreSpec:
     if os.path.exists(path):
         old = load_plan(root)
         if old.to_json() != spec.to_json():
-            diff = {
-                k: (v, spec.to_json()[k]) for k, v in old.to_json().items() if spec.to_json().get(k) != v
-            }
+            diff = {k: (v, spec.to_json()[k]) for k, v in old.to_json().items() if spec.to_json().get(k) != v}
             raise StoreError(
                 f"{root} already holds a store planned with other settings ({_describe_diff(diff)}). "
                 "Resume with the original settings, pick a new output directory, or pass overwrite=True."
@@ -306,13 +303,9 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
         labels.append(np.load(_shard_paths(root, k)[1]))
     all_labels = np.concatenate(labels).astype(np.int32) if labels else np.zeros(0, np.int32)
     save_npy(os.path.join(root, LABELS_FILE), all_labels)
-    write_bytes(
-        os.path.join(root, SOURCES_FILE), "".join(s + "\n" for r in records for s in r["sources"]).encode()
-    )
+    write_bytes(os.path.join(root, SOURCES_FILE), "".join(s + "\n" for r in records for s in r["sources"]).encode())
     report = [e for r in records for e in r["report"]]
-    write_bytes(
-        os.path.join(root, REPORT_FILE), "".join(json.dumps(e, sort_keys=True) + "\n" for e in report).encode()
-    )
+    write_bytes(os.path.join(root, REPORT_FILE), "".join(json.dumps(e, sort_keys=True) + "\n" for e in report).encode())
     count = int(sum(r["count"] for r in records))
     meta = {
         "format": FORMAT_NAME,
@@ -326,8 +319,7 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
         "num_skipped": sum(1 for e in report if e.get("status") == "skipped"),
         "num_converted": sum(1 for e in report if e.get("status") == "converted"),
         "shards": [
-            {"file": f"{SHARD_DIR}/{r['data_file']}", "count": r["count"], "bytes": r["data_bytes"]}
-            for r in records
+            {"file": f"{SHARD_DIR}/{r['data_file']}", "count": r["count"], "bytes": r["data_bytes"]} for r in records
         ],
         "labels_file": LABELS_FILE,
         "labels_dtype": "int32",
@@ -483,7 +475,9 @@ class LatentStore:
                 f"(count, flips, moments, C, H, W); {fix}"
             )
         if dtype != self.spec.np_dtype or fortran:
-            raise StoreError(f"shard {fname} has dtype {dtype} (fortran={fortran}), expected {self.spec.np_dtype}; {fix}")
+            raise StoreError(
+                f"shard {fname} has dtype {dtype} (fortran={fortran}), expected {self.spec.np_dtype}; {fix}"
+            )
         size = os.path.getsize(fname)
         want = offset + int(np.prod(expected)) * dtype.itemsize
         if size != want:
@@ -530,9 +524,7 @@ class LatentStore:
     def num_shards(self) -> int:
         return len(self._files)
 
-    def check_compatible(
-        self, latent_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None
-    ) -> None:
+    def check_compatible(self, latent_shape: Optional[Sequence[int]] = None, num_classes: Optional[int] = None) -> None:
         """Raise ValueError when a model expecting ``latent_shape``/``num_classes`` cannot use this store."""
         check_compatible(self.spec, latent_shape, num_classes, where=self.path)
 

@@ -57,9 +57,7 @@ def get_named_beta_schedule(schedule_name: str, num_diffusion_timesteps: int) ->
         scale = 1000.0 / num_diffusion_timesteps
         return np.linspace(scale * 1e-4, scale * 0.02, num_diffusion_timesteps, dtype=np.float64)
     if schedule_name in ("cosine", "squaredcos_cap_v2"):  # the second is the reference's name
-        return betas_for_alpha_bar(
-            num_diffusion_timesteps, lambda t: math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
-        )
+        return betas_for_alpha_bar(num_diffusion_timesteps, lambda t: math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2)
     raise ValueError(f"unknown beta schedule {schedule_name!r} (expected 'linear' or 'cosine')")
 
 
@@ -439,7 +437,12 @@ class GaussianDiffusion:
         yield from self._run_steps(step, x, progress, "DDPM sampling", noise_fn)
 
     def _run_steps(
-        self, step: Callable[..., dict[str, Tensor]], x: Tensor, progress: bool, description: str, noise_fn: Optional[NoiseFn]
+        self,
+        step: Callable[..., dict[str, Tensor]],
+        x: Tensor,
+        progress: bool,
+        description: str,
+        noise_fn: Optional[NoiseFn],
     ) -> Iterator[dict[str, Tensor]]:
         """The loop shared by the samplers: t = T-1 .. 0, each step's noise from ``noise_fn``."""
         step_noise = noise_fn or _no_noise
@@ -466,7 +469,7 @@ class GaussianDiffusion:
     ) -> Tensor:
         """Ancestral sampling from pure noise; returns the final x_0 (latents)."""
         final = None
-        for final in self.p_sample_loop_progressive(
+        for final in self.p_sample_loop_progressive(  # noqa: B007 - keeps the last step
             model_fn, shape, noise, clip_denoised, denoised_fn, model_kwargs, device, progress, generator, noise_fn
         ):
             pass
@@ -499,13 +502,12 @@ class GaussianDiffusion:
         alpha_bar = self._extract("alphas_cumprod", t, x)
         alpha_bar_prev = self._extract("alphas_cumprod_prev", t, x)
         sigma = (
-            eta
-            * torch.sqrt((1.0 - alpha_bar_prev) / (1.0 - alpha_bar))
-            * torch.sqrt(1.0 - alpha_bar / alpha_bar_prev)
+            eta * torch.sqrt((1.0 - alpha_bar_prev) / (1.0 - alpha_bar)) * torch.sqrt(1.0 - alpha_bar / alpha_bar_prev)
         )
-        mean_pred = out["pred_xstart"] * torch.sqrt(alpha_bar_prev) + torch.sqrt(
-            (1.0 - alpha_bar_prev - sigma**2).clamp(min=0.0)
-        ) * eps
+        mean_pred = (
+            out["pred_xstart"] * torch.sqrt(alpha_bar_prev)
+            + torch.sqrt((1.0 - alpha_bar_prev - sigma**2).clamp(min=0.0)) * eps
+        )
         if eta == 0.0:
             # Deterministic: draw nothing, so the generator state is left untouched.
             return {"sample": mean_pred, "pred_xstart": out["pred_xstart"]}
@@ -553,7 +555,7 @@ class GaussianDiffusion:
     ) -> Tensor:
         """DDIM sampling from pure noise over this process's (possibly respaced) steps."""
         final = None
-        for final in self.ddim_sample_loop_progressive(
+        for final in self.ddim_sample_loop_progressive(  # noqa: B007 - keeps the last step
             model_fn, shape, noise, clip_denoised, denoised_fn, model_kwargs, device, progress, eta, generator, noise_fn
         ):
             pass

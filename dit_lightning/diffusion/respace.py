@@ -85,7 +85,7 @@ class SpacedDiffusion(GaussianDiffusion):
     """
 
     def __init__(self, use_timesteps: Iterable[int], **kwargs: Any) -> None:
-        self.use_timesteps = set(int(t) for t in use_timesteps)
+        self.use_timesteps = {int(t) for t in use_timesteps}
         base = GaussianDiffusion(**kwargs)
         if not self.use_timesteps or not self.use_timesteps <= set(range(base.num_timesteps)):
             raise ValueError(f"use_timesteps must be a non-empty subset of range({base.num_timesteps})")

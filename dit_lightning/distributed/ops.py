@@ -48,7 +48,11 @@ def ema_update_(ema: nn.Module, model: nn.Module, weight: float) -> None:
     e_local, m_local = [], []
     for e, m in zip(e_params, m_params):
         if _is_dtensor(e) or _is_dtensor(m):
-            if not (_is_dtensor(e) and _is_dtensor(m)) or e.placements != m.placements or e.device_mesh != m.device_mesh:
+            if (
+                not (_is_dtensor(e) and _is_dtensor(m))
+                or e.placements != m.placements
+                or e.device_mesh != m.device_mesh
+            ):
                 raise RuntimeError("the EMA must be sharded exactly like the model (same FSDP2 units and mesh)")
             e, m = e.to_local(), m.to_local()
         e_local.append(e)
@@ -82,7 +86,9 @@ def grad_norm(parameters: Iterable[Tensor], strategy: Any = None) -> Optional[Te
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
 
-def clip_gradients(pl_module: Any, optimizer: Any, gradient_clip_val: Optional[float], gradient_clip_algorithm: Optional[str]) -> None:
+def clip_gradients(
+    pl_module: Any, optimizer: Any, gradient_clip_val: Optional[float], gradient_clip_algorithm: Optional[str]
+) -> None:
     """``configure_gradient_clipping`` that also clips by norm under FSDP.
 
     Lightning's FSDPPrecision refuses ``gradient_clip_algorithm="norm"`` (a per-rank
@@ -104,7 +110,9 @@ def clip_gradients(pl_module: Any, optimizer: Any, gradient_clip_val: Optional[f
         if any(_is_dtensor(p) for p in params):
             torch.nn.utils.clip_grad_norm_(params, gradient_clip_val, foreach=True)
             return
-    pl_module.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+    pl_module.clip_gradients(
+        optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+    )
 
 
 def full_state_dict(net: nn.Module, rank0_only: bool = False) -> dict[str, Tensor]:

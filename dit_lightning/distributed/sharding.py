@@ -60,7 +60,9 @@ def _fsdp2_mesh(mesh: Any, hybrid_shard_size: Optional[int], device: torch.devic
     world = mesh.size()
     if world % hybrid_shard_size:
         raise ValueError(f"hybrid_shard_size={hybrid_shard_size} does not divide the {world} data-parallel ranks")
-    return init_device_mesh(device.type, (world // hybrid_shard_size, hybrid_shard_size), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(
+        device.type, (world // hybrid_shard_size, hybrid_shard_size), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def shard_dit(
@@ -130,7 +132,7 @@ def configure_sharding(pl_module: Any) -> bool:
     dp_mesh = _fsdp2_mesh(mesh["data_parallel"], opts.pop("hybrid_shard_size", None), device)
     sync = opts.pop("sync_module_states", True)
     after_forward = opts.get("reshard_after_forward", True)
-    for name, net in _dit_children(pl_module):
+    for _, net in _dit_children(pl_module):
         if sync:
             _broadcast_from_rank0(net, device)
         trained = any(p.requires_grad for p in net.parameters())

@@ -67,7 +67,9 @@ class DiTDDPStrategy(DDPStrategy):
         )
         if bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = bucket_cap_mb
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs)
+        super().__init__(
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
+        )
 
     def setup(self, trainer: Any) -> None:
         if self._ddp_kwargs.get("static_graph") and trainer.accumulate_grad_batches > 1:

@@ -79,7 +79,9 @@ def digits_frechet(generated: np.ndarray, clf: Any = None, seed: int = 0) -> dic
     return out
 
 
-def digits_metrics(features: np.ndarray, labels: np.ndarray, clf: Any = None, real_acc: Optional[float] = None) -> dict[str, Any]:
+def digits_metrics(
+    features: np.ndarray, labels: np.ndarray, clf: Any = None, real_acc: Optional[float] = None
+) -> dict[str, Any]:
     """Accuracy of the classifier on generated digits (N, 64) in [0, 1] with requested
     ``labels``, per class, and the Fréchet distances of :func:`digits_frechet`."""
     if clf is None:
@@ -102,13 +104,20 @@ def digits_metrics_from_samples(samples_dir: str, limit: Optional[int] = None) -
     indices = sorted(found)[:limit]
     if not indices:
         raise FileNotFoundError(f"no sample PNGs in {samples_dir}")
-    images = torch.from_numpy(np.stack([load_png_rgb(found[i])[..., 0] for i in indices]))[:, None]  # uint8 (N, 1, H, W)
+    images = torch.from_numpy(np.stack([load_png_rgb(found[i])[..., 0] for i in indices]))[
+        :, None
+    ]  # uint8 (N, 1, H, W)
     labels = sample_labels([found[i] for i in indices])
     return digits_metrics(uint8_digit_features(images), labels)
 
 
 def digits_accuracy(
-    module: Any, per_class: int = 50, num_steps: int = 100, cfg_scale: Optional[float] = None, seed: int = 0, batch_size: int = 250
+    module: Any,
+    per_class: int = 50,
+    num_steps: int = 100,
+    cfg_scale: Optional[float] = None,
+    seed: int = 0,
+    batch_size: int = 250,
 ) -> dict[str, Any]:
     """Sample ``per_class`` images of every digit and classify them; accuracy overall and per class."""
     clf, real_acc = train_digit_classifier()
@@ -122,4 +131,3 @@ def digits_accuracy(
     result["num_steps"] = num_steps
     result["cfg_scale"] = module.hparams.cfg_scale if cfg_scale is None else cfg_scale
     return result
-

@@ -29,7 +29,6 @@ from torch import Tensor, nn
 
 from ..atomic import save_npz
 
-
 # What torchmetrics (through torch-fidelity) loads; the same converted TF weights are also
 # published by pytorch-fid as pt_inception-2015-12-05-6726825d.pth (same state-dict keys).
 INCEPTION_WEIGHTS_FILE = "weights-inception-2015-12-05-6726825d.pth"
@@ -37,7 +36,9 @@ INCEPTION_WEIGHTS_URL = (
     "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
 )
 PYTORCH_FID_WEIGHTS_FILE = "pt_inception-2015-12-05-6726825d.pth"
-PYTORCH_FID_WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/pt_inception-2015-12-05-6726825d.pth"
+PYTORCH_FID_WEIGHTS_URL = (
+    "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/pt_inception-2015-12-05-6726825d.pth"
+)
 INCEPTION_ENV = "DIT_INCEPTION_WEIGHTS"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 ASSUMED_REFERENCE_COUNT = 50_000  # for mu/sigma files that do not say how many images they summarise
@@ -63,7 +64,11 @@ def find_inception_weights(path: Optional[str] = None) -> str:
     for c in candidates:
         if c and os.path.isfile(c):
             return c
-    where = f"'{path}' does not exist" if path else f"none given, ${INCEPTION_ENV} unset, nothing in {_hub_checkpoint_dir()}"
+    where = (
+        f"'{path}' does not exist"
+        if path
+        else f"none given, ${INCEPTION_ENV} unset, nothing in {_hub_checkpoint_dir()}"
+    )
     raise InceptionWeightsMissing(
         f"FID/IS/KID need the InceptionV3 weights file ({where}). On a machine with internet:\n"
         f"    wget {INCEPTION_WEIGHTS_URL}\n"
@@ -87,7 +92,10 @@ class InceptionFeatures(nn.Module):
             raise ImportError("FID needs torchmetrics") from e
         self.features = ["2048", "logits_unbiased"] if logits else ["2048"]
         self.net = NoTrainInceptionV3(
-            name="inception-v3-compat", features_list=self.features, feature_extractor_weights_path=path, antialias=antialias
+            name="inception-v3-compat",
+            features_list=self.features,
+            feature_extractor_weights_path=path,
+            antialias=antialias,
         )
         self.weights_path = path
         self.antialias = antialias
@@ -143,7 +151,7 @@ class FeatureStats:
     features: Optional[np.ndarray] = None  # kept for KID when asked
 
     @classmethod
-    def from_features(cls, features: np.ndarray, keep: bool = False) -> "FeatureStats":
+    def from_features(cls, features: np.ndarray, keep: bool = False) -> FeatureStats:
         f = np.asarray(features, dtype=np.float64)
         if len(f) < 2:
             raise ValueError("statistics need at least 2 samples")
@@ -158,7 +166,7 @@ class FeatureStats:
         return save_npz(path, **arrays)
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "FeatureStats":
+    def load(cls, path: Union[str, Path]) -> FeatureStats:
         with np.load(path) as z:
             n = int(z["num_samples"]) if "num_samples" in z.files else ASSUMED_REFERENCE_COUNT
             feats = z["features"] if "features" in z.files else None
@@ -211,7 +219,11 @@ def _list_images(root: Path) -> list[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        files += [Path(dirpath) / f for f in sorted(filenames) if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
+        files += [
+            Path(dirpath) / f
+            for f in sorted(filenames)
+            if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")
+        ]
     return files
 
 
@@ -248,7 +260,11 @@ def _store_batches(path: Path, batch_size: int, limit: Optional[int], device: st
 
 
 def image_batches(
-    source: Source, batch_size: int = 100, image_size: Optional[int] = None, limit: Optional[int] = None, device: str = "cpu"
+    source: Source,
+    batch_size: int = 100,
+    image_size: Optional[int] = None,
+    limit: Optional[int] = None,
+    device: str = "cpu",
 ) -> Iterator[Tensor]:
     """uint8 (B, 3, H, W) batches from an image folder (recursive; a ``dit-lightning sample``
     output uses its ``samples/``), an ``.npz`` with ``arr_0`` (ADM format) or a latent store
@@ -283,7 +299,9 @@ def image_batches(
 
 
 @torch.no_grad()
-def extract_features(extractor: nn.Module, batches: Iterator[Tensor], device: Union[str, torch.device] = "cpu") -> np.ndarray:
+def extract_features(
+    extractor: nn.Module, batches: Iterator[Tensor], device: Union[str, torch.device] = "cpu"
+) -> np.ndarray:
     """(N, D) float32 features of all images."""
     feats = [extractor(b.to(device)).float().cpu() for b in batches]
     return torch.cat(feats).numpy() if feats else np.zeros((0, 0), np.float32)
@@ -341,7 +359,9 @@ def reference_stats(
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     cache = None
     if cache_dir is not None:
-        cache = (default_cache_dir() if cache_dir == "auto" else Path(cache_dir)) / f"{path.stem or path.name}-{digest}.npz"
+        cache = (
+            default_cache_dir() if cache_dir == "auto" else Path(cache_dir)
+        ) / f"{path.stem or path.name}-{digest}.npz"
         if cache.exists():
             stats = FeatureStats.load(cache)
             if stats.features is not None or not keep_features:
@@ -378,7 +398,9 @@ def _fid_with_reference(dim: int, ref: FeatureStats) -> Any:
 IMAGE_METRICS = ("fid", "is", "kid")
 
 
-def check_metrics(metrics: Sequence[str], reference: Optional[Source], feature_extractor: Optional[nn.Module] = None) -> list[str]:
+def check_metrics(
+    metrics: Sequence[str], reference: Optional[Source], feature_extractor: Optional[nn.Module] = None
+) -> list[str]:
     """The requested image metrics, lower-cased; a clear error for what cannot be computed."""
     wanted = [m.lower() for m in metrics]
     unknown = set(wanted) - set(IMAGE_METRICS)
@@ -392,7 +414,9 @@ def check_metrics(metrics: Sequence[str], reference: Optional[Source], feature_e
 
 
 def build_extractor(
-    metrics: Sequence[str], inception_weights: Optional[str] = None, feature_extractor: Optional[nn.Module] = None,
+    metrics: Sequence[str],
+    inception_weights: Optional[str] = None,
+    feature_extractor: Optional[nn.Module] = None,
     antialias: bool = False,
 ) -> tuple[nn.Module, Optional[int]]:
     """The feature extractor for ``metrics`` and how many leading columns FID/KID use
@@ -403,7 +427,10 @@ def build_extractor(
 
 
 def metrics_from_features(
-    fake: np.ndarray, metrics: Sequence[str], ref: Optional[FeatureStats] = None, dim: Optional[int] = None,
+    fake: np.ndarray,
+    metrics: Sequence[str],
+    ref: Optional[FeatureStats] = None,
+    dim: Optional[int] = None,
     kid_subset_size: int = 1000,
 ) -> dict[str, float]:
     """FID / KID (against ``ref``) and IS of generated features (N, D) through torchmetrics.

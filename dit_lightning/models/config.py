@@ -26,6 +26,8 @@ ARCH_KEYS = (
     "qk_norm",
     "attn_dim",
 )
+
+
 def mlp_ratio_for(hidden_size: int, channels: int) -> float:
     """A float ``r`` with ``int(hidden_size * r) == channels`` exactly (what DiT computes),
     nudged by an ulp where ``channels / hidden_size`` rounds low (61 / 56 * 56 = 60.99...)."""
@@ -41,7 +43,9 @@ def model_config(model: DiT) -> dict[str, Any]:
     """The constructor arguments that rebuild ``model``'s architecture (``attn_dim``, the width
     of q/k/v, only when it differs from ``hidden_size``, i.e. after head pruning)."""
     attn = model.blocks[0].attn if len(model.blocks) else None
-    mlp = mlp_ratio_for(model.hidden_size, model.blocks[0].mlp.fc1.out_features) if len(model.blocks) else model.mlp_ratio
+    mlp = (
+        mlp_ratio_for(model.hidden_size, model.blocks[0].mlp.fc1.out_features) if len(model.blocks) else model.mlp_ratio
+    )
     cfg: dict[str, Any] = {
         "input_size": model.input_size,
         "patch_size": model.patch_size,

@@ -180,7 +180,12 @@ class DiTBlock(nn.Module):
     every block starts as the identity."""
 
     def __init__(
-        self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, qk_norm: bool = False, attn_dim: Optional[int] = None
+        self,
+        hidden_size: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qk_norm: bool = False,
+        attn_dim: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
@@ -305,7 +310,10 @@ class DiT(nn.Module):
         # Fixed, not trained, but a Parameter (not a buffer) because released checkpoints hold it.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList(
-            [DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, qk_norm=qk_norm, attn_dim=attn_dim) for _ in range(depth)]
+            [
+                DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, qk_norm=qk_norm, attn_dim=attn_dim)
+                for _ in range(depth)
+            ]
         )
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.checkpoint_blocks: tuple[int, ...] = ()

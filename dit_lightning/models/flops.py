@@ -47,7 +47,7 @@ class DiTShape:
         return int(self.hidden_size * self.mlp_ratio)
 
     @classmethod
-    def of(cls, model) -> "DiTShape":
+    def of(cls, model) -> DiTShape:
         """The shape of a built :class:`~dit_lightning.models.dit.DiT`."""
         return cls(
             depth=model.depth,

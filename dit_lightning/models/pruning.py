@@ -23,7 +23,6 @@ Pure PyTorch (no Lightning); ``dit-lightning prune`` (:mod:`dit_lightning.comman
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
 
@@ -36,6 +35,7 @@ from .dit import DiT
 StateDict = dict[str, Tensor]
 
 Criterion = Literal["l1", "l2"]
+
 
 def _rebuild(model: DiT, cfg: dict[str, Any], sd: StateDict) -> DiT:
     """The new model of configuration ``cfg`` holding ``sd``, on ``model``'s device and dtype,
@@ -70,7 +70,9 @@ def calibration_inputs(
 
 
 @torch.no_grad()
-def calibration_loss(model: nn.Module, diffusion: Any, inputs: tuple[Tensor, Tensor, Tensor, Tensor], chunk: int = 256) -> float:
+def calibration_loss(
+    model: nn.Module, diffusion: Any, inputs: tuple[Tensor, Tensor, Tensor, Tensor], chunk: int = 256
+) -> float:
     """Mean diffusion loss (the hybrid loss with a learned variance) of ``model`` in eval mode
     on fixed calibration inputs, computed in chunks to bound memory."""
     x, y, t, noise = inputs
@@ -86,9 +88,7 @@ def calibration_loss(model: nn.Module, diffusion: Any, inputs: tuple[Tensor, Ten
 
 
 @torch.no_grad()
-def block_importance(
-    model: DiT, diffusion: Any, batch: dict[str, Tensor], draws: int = 1, seed: int = 0
-) -> Tensor:
+def block_importance(model: DiT, diffusion: Any, batch: dict[str, Tensor], draws: int = 1, seed: int = 0) -> Tensor:
     """(depth,) importance of each block: the calibration loss with the block skipped (its
     output replaced by its input, the identity) minus the loss of the full model. Timesteps and
     noise are drawn once (``seed``) so all blocks are compared on the same inputs. A block can
@@ -175,7 +175,9 @@ def mlp_channel_scores(model: DiT, criterion: Criterion = "l1") -> list[Tensor]:
 
 
 @torch.no_grad()
-def mlp_activation_scores(model: DiT, diffusion: Any, batch: dict[str, Tensor], draws: int = 1, seed: int = 0) -> list[Tensor]:
+def mlp_activation_scores(
+    model: DiT, diffusion: Any, batch: dict[str, Tensor], draws: int = 1, seed: int = 0
+) -> list[Tensor]:
     """Per block, mean |GELU output of channel j| on calibration inputs times ``|fc2 col j|_1``:
     the channel's typical contribution to the residual stream (data-aware)."""
     sums = [torch.zeros(b.mlp.fc1.out_features, dtype=torch.float64) for b in model.blocks]
@@ -194,7 +196,10 @@ def mlp_activation_scores(model: DiT, diffusion: Any, batch: dict[str, Tensor], 
     finally:
         for h in handles:
             h.remove()
-    return [(s / max(count[0], 1)).float() * b.mlp.fc2.weight.detach().float().abs().sum(0).cpu() for s, b in zip(sums, model.blocks)]
+    return [
+        (s / max(count[0], 1)).float() * b.mlp.fc2.weight.detach().float().abs().sum(0).cpu()
+        for s, b in zip(sums, model.blocks)
+    ]
 
 
 def prune_mlp(

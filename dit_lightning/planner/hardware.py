@@ -35,6 +35,16 @@ class GPUSpec:
     def supports_bf16(self) -> bool:
         return self.bf16_tflops > 0
 
+    def dense_tflops(self, dtype: torch.dtype, tf32: bool = False) -> float:
+        """Dense peak TFLOP/s for matmuls in ``dtype`` (fp32 on TF32 tensor cores with ``tf32``)."""
+        if dtype == torch.bfloat16:
+            return self.bf16_tflops
+        if dtype == torch.float16:
+            return self.fp16_tflops
+        if dtype == torch.float32:
+            return self.tf32_tflops if tf32 else self.fp32_tflops
+        raise ValueError(f"no peak for {dtype} in the GPU table")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -88,8 +98,9 @@ def gpu_spec(name: str) -> GPUSpec:
 
 TFLOPS = 1e12
 
-# FLOP/s per device, dense, by compute precision, from the table above. "tf32" is the rate of FP32 matmuls when TF32 tensor cores are
-# allowed; "fp32" the rate without them; FP16/BF16 with FP32 accumulation.
+# FLOP/s per device, dense, by compute precision, from the table above. "tf32" is the rate of FP32
+# matmuls when TF32 tensor cores are allowed; "fp32" the rate without them; FP16/BF16 with FP32
+# accumulation.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     name: {
         "fp32": g.fp32_tflops * TFLOPS,

@@ -14,11 +14,13 @@ hardly moves on a second step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from ..precision import autocast, is_fp16
 
 
 def cpu_allocator_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
@@ -74,16 +76,13 @@ class TrainingStep:
         self.precision = precision
         self.device = batch["x"].device
         self.optimizer = optimizer if optimizer is not None else _as_optimizer(module.configure_optimizers())
-        use_scaler = precision == "16-mixed" and self.device.type == "cuda"
+        use_scaler = is_fp16(precision) and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
         self.step_index = 0
         module.train()
 
-    def autocast(self):
-        if self.precision == "32-true":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.device.type, self.precision)
 
     def __call__(self) -> float:
         m = self.module

@@ -250,7 +250,9 @@ def _optimizer_bytes(name: str, trainable: int) -> tuple[int, str]:
         return 8 * trainable, "AdamW: exp_avg and exp_avg_sq in fp32 (8 B/param)"
     if name == "adamw8bit":
         # bitsandbytes blockwise 8-bit states + one fp32 absmax per 2048-value block and state
-        return 2 * trainable + 2 * 4 * (trainable // 2048 + 1), "AdamW8bit: two 8-bit states + blockwise absmax (~2 B/param)"
+        return 2 * trainable + 2 * 4 * (
+            trainable // 2048 + 1
+        ), "AdamW8bit: two 8-bit states + blockwise absmax (~2 B/param)"
     if name == "sgd":
         return 4 * trainable, "SGD with momentum: one fp32 buffer (4 B/param)"
     raise ValueError(f"unknown optimizer '{name}': adamw, adamw8bit or sgd")
@@ -446,7 +448,9 @@ def plan_memory(
         w16 = w16_nonblock + sum(w16_blk for j in range(i + 1) if j not in ckpt) + (w16_blk if i in ckpt else 0)
         act = a_nonblock + sum(a_blocks[:i]) + a_full
         tmp = trans_bwd + fsdp_grad_unsharded
-        phases[f"backward block {i}"] = dict(gradients=g, weights16=w16, activations=act, temporaries=tmp, working=working)
+        phases[f"backward block {i}"] = dict(
+            gradients=g, weights16=w16, activations=act, temporaries=tmp, working=working
+        )
     # optimiser step: all gradients; foreach AdamW allocates one fp32 temporary per parameter
     opt_tmp = 0 if (fused or optimizer != "adamw") else 4 * p_train // w
     phases["optimizer step"] = dict(gradients=grads_full, weights16=0, activations=0, temporaries=opt_tmp, working=0)
@@ -466,18 +470,28 @@ def plan_memory(
 
     assumptions = [
         f"attention: {attn} ({'O(T) logsumexp' if attn == 'flash' else 'O(T^2) softmax matrix'})",
-        "precision: fp32 master weights; " + ("autocast to 16 bits, LayerNorm and residual stream in fp32" if mixed else "fp32 everywhere"),
-        opt_note + (" (fused: no temporary)" if fused else (" (foreach: one fp32 temporary per parameter in the step)" if optimizer == "adamw" else "")),
+        "precision: fp32 master weights; "
+        + ("autocast to 16 bits, LayerNorm and residual stream in fp32" if mixed else "fp32 everywhere"),
+        opt_note
+        + (
+            " (fused: no temporary)"
+            if fused
+            else (" (foreach: one fp32 temporary per parameter in the step)" if optimizer == "adamw" else "")
+        ),
         "EMA: fp32 copy of all weights" + (" (sharded)" if fsdp else "") if ema else "no EMA",
         f"activation checkpointing: the first {k} of {shape.depth} blocks keep only their input",
         "gradients set to None between steps (zero_grad(set_to_none=True))"
         + ("; kept alive across accumulated micro-batches" if persistent_grads else ""),
     ]
     if ddp:
-        assumptions.append("DDP: gradient buckets are a second fp32 copy of the gradients" + (" (bucket view: none)" if ddp_gradient_as_bucket_view else ""))
+        assumptions.append(
+            "DDP: gradient buckets are a second fp32 copy of the gradients"
+            + (" (bucket view: none)" if ddp_gradient_as_bucket_view else "")
+        )
     if fsdp:
         assumptions.append(
-            f"FSDP {sharding} (DiTFSDPStrategy: one unit per DiT block and per DiT), param_dtype {'bf16/fp16' if mixed else 'fp32'} "
+            f"FSDP {sharding} (DiTFSDPStrategy: one unit per DiT block and per DiT), param_dtype "
+            f"{'bf16/fp16' if mixed else 'fp32'} "
             "(Lightning's FSDP precision); the EMA sharded like the model"
         )
     if device == "cuda":
@@ -525,7 +539,12 @@ def plan_memory(
         gpu=spec.name if spec else None,
         fits=None if budget is None else total <= budget,
         static=static,
-        phases={k_: v for k_, v in totals.items() if not k_.startswith("backward block") or k_ in (peak_name, f"backward block {shape.depth - 1}", "backward block 0")},
+        phases={
+            k_: v
+            for k_, v in totals.items()
+            if not k_.startswith("backward block")
+            or k_ in (peak_name, f"backward block {shape.depth - 1}", "backward block 0")
+        },
         activations_per_block=blk_terms,
         assumptions=assumptions,
     )

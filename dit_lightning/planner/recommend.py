@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from ..models.flops import shape_of, training_flops
+from ..precision import to_dtype
 from .hardware import GPUSpec, gpu_spec
 from .memory import GiB, MemoryPlan, OptimizerName, Precision, Sharding, Strategy, param_counts, plan_memory
 
@@ -93,11 +94,8 @@ class Recommendation:
 
 
 def _peak_tflops(spec: GPUSpec, precision: str) -> float:
-    if precision == "bf16-mixed":
-        return spec.bf16_tflops
-    if precision == "16-mixed":
-        return spec.fp16_tflops
-    return spec.tf32_tflops  # the project enables TF32 for fp32 matmuls by default
+    # fp32 matmuls run on TF32 tensor cores: the project enables TF32 by default
+    return spec.dense_tflops(to_dtype(precision), tf32=True)
 
 
 def estimate_step_time(
@@ -182,7 +180,9 @@ def recommend(
         raise ValueError(f"global batch {global_batch} is not divisible by {num_gpus} GPUs")
     spec = gpu_spec(gpu) if gpu else None
     if spec is None:
-        raise ValueError("recommend needs a GPU type (for its compute and bandwidth); memory_gib may override its memory")
+        raise ValueError(
+            "recommend needs a GPU type (for its compute and bandwidth); memory_gib may override its memory"
+        )
     per_gpu = global_batch // num_gpus
     shape = shape_of(model, input_size=latent_size, **shape_kwargs)
     depth = shape.depth
@@ -202,7 +202,9 @@ def recommend(
         layouts = [("ddp", None), ("fsdp", "SHARD_GRAD_OP"), ("fsdp", "FULL_SHARD")]
     micros = [micro_batch] if micro_batch else _divisors(per_gpu)
     if micro_batch and per_gpu % micro_batch:
-        raise ValueError(f"micro-batch {micro_batch} does not divide the per-GPU batch {per_gpu} ({global_batch}/{num_gpus})")
+        raise ValueError(
+            f"micro-batch {micro_batch} does not divide the per-GPU batch {per_gpu} ({global_batch}/{num_gpus})"
+        )
 
     def memory(prec: str, strat: str, shard: Optional[str], mb: int, k: int) -> MemoryPlan:
         return plan_memory(
@@ -240,7 +242,9 @@ def recommend(
                         else:
                             lo = mid + 1
                     k, plan_k, fits = lo, memory(prec, strat, shard, mb, lo), True
-                t, _, _ = estimate_step_time(model, spec, num_gpus, global_batch, mb, prec, k, strat, shard, mfu, **skw_shape(skw))
+                t, _, _ = estimate_step_time(
+                    model, spec, num_gpus, global_batch, mb, prec, k, strat, shard, mfu, **skw_shape(skw)
+                )
                 cand = Candidate(
                     precision=prec,
                     strategy=strat if num_gpus > 1 else "single device",
@@ -264,13 +268,30 @@ def recommend(
     # (DDP before FSDP, SHARD_GRAD_OP before FULL_SHARD, fewer accumulation steps, bf16).
     fastest = evaluated[0][0]
     close = [e for e in evaluated if e[0].fits == fastest.fits and e[0].step_time_s <= fastest.step_time_s * (1 + TIE)]
-    close.sort(key=lambda e: (e[0].strategy == "fsdp", e[0].sharding == "FULL_SHARD", e[0].accumulate_grad_batches, e[0].precision != "bf16-mixed", e[0].step_time_s))
+    close.sort(
+        key=lambda e: (
+            e[0].strategy == "fsdp",
+            e[0].sharding == "FULL_SHARD",
+            e[0].accumulate_grad_batches,
+            e[0].precision != "bf16-mixed",
+            e[0].step_time_s,
+        )
+    )
     best, best_plan = close[0]
     evaluated.remove(close[0])
     evaluated.insert(0, close[0])
     t, util, useful_mfu = estimate_step_time(
-        model, spec, num_gpus, global_batch, best.micro_batch, best.precision, best.checkpointed_blocks,
-        best.strategy, best.sharding, mfu, **skw_shape(skw),
+        model,
+        spec,
+        num_gpus,
+        global_batch,
+        best.micro_batch,
+        best.precision,
+        best.checkpointed_blocks,
+        best.strategy,
+        best.sharding,
+        mfu,
+        **skw_shape(skw),
     )
     hours = steps * t / 3600
     args = [
@@ -284,16 +305,27 @@ def recommend(
         if best.strategy == "ddp":  # the project's DDP strategy: gradient_as_bucket_view=True
             args += ["--trainer.strategy dit_lightning.distributed.DiTDDPStrategy"]
         else:  # FSDP1, one unit per DiTBlock and per DiT (model and EMA)
-            args += ["--trainer.strategy dit_lightning.distributed.DiTFSDPStrategy", f"--trainer.strategy.sharding_strategy {best.sharding}"]
+            args += [
+                "--trainer.strategy dit_lightning.distributed.DiTFSDPStrategy",
+                f"--trainer.strategy.sharding_strategy {best.sharding}",
+            ]
     assumptions = [
-        f"utilisation {util:.2f} of the dense {best.precision} peak ({_peak_tflops(spec, best.precision):g} TFLOP/s on {spec.name}) applied to executed FLOPs"
-        + (" (measured, given)" if mfu is not None else " (assumed default: 0.35 for 16-bit, 0.12 for fp32/TF32; documented DiT-XL/2 runs reach 12-38%)"),
-        f"utilisation reached from {SATURATION_TOKENS} tokens per micro-batch, x sqrt(tokens/{SATURATION_TOKENS}) below; "
+        f"utilisation {util:.2f} of the dense {best.precision} peak ({_peak_tflops(spec, best.precision):g} "
+        f"TFLOP/s on {spec.name}) applied to executed FLOPs"
+        + (
+            " (measured, given)"
+            if mfu is not None
+            else " (assumed default: 0.35 for 16-bit, 0.12 for fp32/TF32; documented DiT-XL/2 runs reach 12-38%)"
+        ),
+        f"utilisation reached from {SATURATION_TOKENS} tokens per micro-batch, x sqrt(tokens/{SATURATION_TOKENS}) "
+        "below; "
         f"{LAUNCH_S * 1e6:g} us per kernel launch floor; AdamW + EMA at 70% of {spec.bandwidth_tbs} TB/s",
     ]
     if num_gpus > 1:
         assumptions.append("DDP with gradient_as_bucket_view=True (no bucket copy of the gradients)")
-        assumptions.append(f"communication over ~{spec.link_gbs:g} GB/s links, overlapped with compute (step = max of the two)")
+        assumptions.append(
+            f"communication over ~{spec.link_gbs:g} GB/s links, overlapped with compute (step = max of the two)"
+        )
     return Recommendation(
         model=model,
         gpu=spec.name,

@@ -20,9 +20,10 @@ def render_memory(plan: MemoryPlan, console=None) -> None:
     console = console or Console()
     strat = plan.strategy + (f" {plan.sharding}" if plan.sharding else "")
     title = (
-        f"{plan.model} ({plan.parameters_count / 1e6:.1f}M params, {plan.tokens} tokens) | micro-batch {plan.micro_batch} | "
-        f"{plan.precision} | checkpointing {plan.checkpointed_blocks}/{plan.depth} | {strat} x{plan.world_size} | {plan.optimizer}"
-        + (" + EMA" if plan.ema else "")
+        f"{plan.model} ({plan.parameters_count / 1e6:.1f}M params, {plan.tokens} tokens) | micro-batch "
+        f"{plan.micro_batch} | "
+        f"{plan.precision} | checkpointing {plan.checkpointed_blocks}/{plan.depth} | {strat} x{plan.world_size} | "
+        f"{plan.optimizer}" + (" + EMA" if plan.ema else "")
     )
     table = Table(title=title, title_justify="left")
     table.add_column("memory per GPU", style="bold")
@@ -51,7 +52,8 @@ def render_recommendation(rec: Recommendation, console=None) -> None:
     head = "[green]fits[/green]" if rec.feasible else "[red]nothing fits: closest shown[/red]"
     console.print(
         f"[bold]{rec.model} on {rec.world_size}x {rec.gpu}, global batch {rec.global_batch}[/bold]: {head}\n"
-        f"  micro-batch {rec.micro_batch} x {rec.world_size} GPUs x {rec.accumulate_grad_batches} accumulation = {rec.global_batch}; "
+        f"  micro-batch {rec.micro_batch} x {rec.world_size} GPUs x {rec.accumulate_grad_batches} accumulation = "
+        f"{rec.global_batch}; "
         f"{rec.precision}; checkpoint {rec.checkpointed_blocks}/{rec.depth} blocks; {rec.strategy}"
         + (f" {rec.sharding}" if rec.sharding else "")
     )

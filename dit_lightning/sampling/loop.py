@@ -9,8 +9,8 @@ show). The module, the callbacks and the ``sample`` command all call :func:`samp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Callable, Literal, Optional, Union
+from collections.abc import Callable, Sequence
+from typing import Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -28,7 +28,11 @@ _KEY_INIT, _KEY_STEP = 0x1E1, 0x57E
 
 
 def build_sampling_diffusion(
-    sampler: Sampler, num_steps: int, noise_schedule: str = "linear", diffusion_steps: int = 1000, learn_sigma: bool = True
+    sampler: Sampler,
+    num_steps: int,
+    noise_schedule: str = "linear",
+    diffusion_steps: int = 1000,
+    learn_sigma: bool = True,
 ) -> SpacedDiffusion:
     """The respaced process: ``"250"`` for DDPM; ``"ddimN"`` (even stride) for DDIM where N
     divides the steps that way, else the section respacing of N steps."""
@@ -38,7 +42,9 @@ def build_sampling_diffusion(
     respacing = str(num_steps)
     if sampler == "ddim" and any(len(range(0, diffusion_steps, s)) == num_steps for s in range(1, diffusion_steps)):
         respacing = f"ddim{num_steps}"
-    return create_diffusion(respacing, noise_schedule=noise_schedule, learn_sigma=learn_sigma, diffusion_steps=diffusion_steps)
+    return create_diffusion(
+        respacing, noise_schedule=noise_schedule, learn_sigma=learn_sigma, diffusion_steps=diffusion_steps
+    )
 
 
 def initial_noise(indices: Tensor, shape: Sequence[int], seed: int) -> Tensor:
@@ -52,7 +58,11 @@ def step_noise(indices: Tensor, shape: Sequence[int], seed: int, step: int) -> T
 
 
 def guided_model_fn(
-    net: DiT, cfg_scale: float, guide_channels: Optional[int] = None, precision: SamplingPrecision = "fp32", force_cfg: bool = False
+    net: DiT,
+    cfg_scale: float,
+    guide_channels: Optional[int] = None,
+    precision: SamplingPrecision = "fp32",
+    force_cfg: bool = False,
 ) -> Callable[..., Tensor]:
     """``fn(x, t, y)`` -> model output for the (un-doubled) batch ``x``.
 
@@ -68,7 +78,9 @@ def guided_model_fn(
             return net(x, t, y)
         n = x.shape[0]
         null = torch.full_like(y, net.num_classes)
-        out = net.forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]), cfg_scale, guide_channels)
+        out = net.forward_with_cfg(
+            torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]), cfg_scale, guide_channels
+        )
         return out[:n]
 
     def fn(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
