@@ -1,88 +1,130 @@
-"""The ``dit-lightning`` command: LightningCLI for fit/validate/test/predict, plus tools.
+"""The ``dit-lightning`` command: ``fit | validate | test | predict`` through LightningCLI
+(:mod:`dit_lightning.lightning_cli`), and the tools of :mod:`dit_lightning.commands`.
 
-``dit-lightning fit --config configs/demo.yaml`` trains; the tool commands (``extract``,
-``prepare-digits``, ``export``...) are plain functions exposed through jsonargparse.
+Errors a user can fix (a missing store, a bad setting, a checkpoint of another architecture...)
+print one message that names the problem and the fix, without a traceback; ``--debug`` (or
+``DIT_LIGHTNING_DEBUG=1``) shows the traceback. Lightning is imported only for the training
+subcommands, so the tools start fast.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
 import sys
-from typing import Any, Optional
+import traceback
+from typing import NoReturn, Optional
 
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.plugins.io import CheckpointIO
-
-from .callbacks.config_logger import TensorBoardConfigLogger
-from .callbacks.generation import GenerationMetrics
 from .commands import TOOLS, tool
-from .data import LatentDataModule
-from .module import DiTModule
-from .plugins import AtomicCheckpointIO
 
-
-def _store_vae(data: LatentDataModule) -> str:
-    return data.spec.vae
-
-
-class DiTCLI(LightningCLI):
-    """LightningCLI with the model's latent shape, classes and VAE linked to the data store,
-    so a model and a store that do not match cannot be configured."""
-
-    def add_arguments_to_parser(self, parser) -> None:
-        # Subclass mode: DiTModule or a subclass (DistillationModule) chosen by model.class_path;
-        # plain model arguments in a config mean DiTModule. Their arguments live under init_args.
-        model = "model.init_args." if self.subclass_mode_model else "model."
-        parser.link_arguments("data.latent_shape", model + "latent_shape", apply_on="instantiate")
-        parser.link_arguments("data.num_classes", model + "num_classes", apply_on="instantiate")
-        parser.link_arguments("data", model + "vae", compute_fn=_store_vae, apply_on="instantiate")
-        if self.subclass_mode_model:
-            parser.set_defaults({"model": {"class_path": "dit_lightning.module.DiTModule"}})
-        # Always-on, configurable checkpointing: every N optimiser steps plus `last.ckpt`.
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 1000})
-        parser.add_lightning_class_args(RichProgressBar, "progress_bar")
-        # What `test` measures besides the held-out loss: FID / IS / KID or the digits metrics of
-        # freshly sampled images (`evaluation.metrics`; off while the list is empty).
-        parser.add_lightning_class_args(GenerationMetrics, "evaluation")
-
-    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        # Atomic checkpoint writes unless the user configured their own CheckpointIO plugin.
-        trainer_config = self._get(self.config_init, "trainer", default={})
-        if trainer_config.get("enable_progress_bar") is False:  # the forced rich bar would clash with it
-            parser = self._parser(self.subcommand)
-            parser.callback_keys = [k for k in parser.callback_keys if k != "progress_bar"]
-        plugins = kwargs.get("plugins") or trainer_config.get("plugins") or []
-        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-        if not any(isinstance(p, CheckpointIO) for p in plugins):
-            kwargs["plugins"] = plugins + [AtomicCheckpointIO()]
-        return super().instantiate_trainer(**kwargs)
-
-
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+DEBUG_ENV = "DIT_LIGHTNING_DEBUG"
 # Flags that read better without a value on the command line.
 _FLAG_ALIASES = {"plan": {"--fit": "--fit=true", "--json": "--format=json"}}
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in TOOLS:
+def usage() -> str:
+    """The top-level help: the training subcommands and every tool, one line each."""
+    lines = [
+        "usage: dit-lightning {fit,validate,test,predict} [--config CONFIG ...] [--OPTION VALUE ...]",
+        "       dit-lightning TOOL [--OPTION VALUE ...]",
+        "",
+        "Train DiT (Peebles & Xie) on VAE latents with PyTorch Lightning.",
+        "",
+        "training (LightningCLI; `dit-lightning fit --help` lists every option):",
+        "  fit        train (or resume with --ckpt_path last)",
+        "  validate   held-out loss of a checkpoint",
+        "  test       held-out loss and generated-image metrics (FID / IS / KID, or the digits metrics)",
+        "  predict    sample images through Lightning (with a PredictionWriter callback)",
+        "",
+        "tools (`dit-lightning TOOL --help`):",
+    ]
+    for name, (_, _, summary) in TOOLS.items():
+        lines.append(f"  {name:<16}{summary}")
+    lines += [
+        "",
+        f"--debug (or {DEBUG_ENV}=1) shows the traceback of an error.",
+        "Configs: configs/{model,data,hardware,experiment}/*.yaml, merged left to right; see README.md.",
+    ]
+    return "\n".join(lines)
+
+
+def _unknown(command: str) -> NoReturn:
+    close = difflib.get_close_matches(command, [*SUBCOMMANDS, *TOOLS], n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise SystemExit(
+        f"dit-lightning: unknown command '{command}'.{hint}\n"
+        f"Commands: {', '.join(SUBCOMMANDS)}; tools: {', '.join(TOOLS)} (dit-lightning --help)."
+    )
+
+
+def _message(error: BaseException) -> str:
+    """The message of an error and of what caused it, without repeating the same text."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).strip() or type(e).__name__
+        if isinstance(e, (AttributeError, KeyError, TypeError, NameError, IndexError, AssertionError)):
+            text = f"{type(e).__name__}: {text}"  # likely a bug, not a setting: say what kind
+        if not any(text in p for p in parts):
+            parts.append(text)
+        e = e.__cause__ or (e.__context__ if not e.__suppress_context__ else None)
+    return "\n  caused by: ".join(parts)
+
+
+def _run(args: list[str]) -> None:
+    command = args[0]
+    if command in TOOLS:
         from jsonargparse import CLI
 
-        aliases = _FLAG_ALIASES.get(args[0], {})
-        CLI(tool(args[0]), args=[aliases.get(a, a) for a in args[1:]], as_positional=False)
+        aliases = _FLAG_ALIASES.get(command, {})
+        CLI(
+            tool(command),
+            args=[aliases.get(a, a) for a in args[1:]],
+            as_positional=False,
+            prog=f"dit-lightning {command}",
+            exit_on_error=False,
+        )
         return
-    DiTCLI(
-        DiTModule,
-        LatentDataModule,
-        subclass_mode_model=True,  # DiTModule or a subclass (dit_lightning.distill.DistillationModule)
-        save_config_callback=TensorBoardConfigLogger,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={
-            "description": "Train DiT with Lightning. Tools: " + ", ".join(TOOLS) + " (dit-lightning TOOL --help)."
-        },
-        args=argv,  # None: LightningCLI reads sys.argv itself
-    )
+    from .lightning_cli import run_lightning_cli
+
+    run_lightning_cli(args)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false")
+    args = [a for a in args if a != "--debug"]
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return
+    if args[0] not in SUBCOMMANDS and args[0] not in TOOLS:
+        if args[0].startswith("-"):  # e.g. `dit-lightning --config x.yaml`: LightningCLI needs a subcommand
+            raise SystemExit(f"dit-lightning: a command comes first ({', '.join(SUBCOMMANDS)} or a tool); see --help")
+        _unknown(args[0])
+    try:
+        _run(args)
+    except KeyboardInterrupt:
+        print(f"\ndit-lightning {args[0]}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as error:  # every other error: one clear message, the traceback on request
+        if debug:
+            raise
+        name = type(error).__name__
+        if name == "ArgumentError":  # jsonargparse: a bad option or value
+            print(f"dit-lightning {args[0]}: error: {_message(error)}", file=sys.stderr)
+            print(f"(dit-lightning {args[0]} --help lists the options)", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"dit-lightning {args[0]}: error: {_message(error)}", file=sys.stderr)
+        print(f"(add --debug, or set {DEBUG_ENV}=1, for the traceback)", file=sys.stderr)
+        if os.environ.get(DEBUG_ENV) is None and not isinstance(error, (ValueError, OSError, RuntimeError)):
+            # an unexpected kind of error is more likely a bug: keep its last frame visible
+            frame = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+            for f in frame:
+                print(f"  at {f.filename}:{f.lineno} ({f.name})", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

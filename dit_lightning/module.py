@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import warnings
 from collections.abc import Sequence
@@ -11,7 +12,8 @@ from typing import Any, Literal, Optional, Union
 
 import lightning as L
 import torch
-from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch import Tensor, nn
 
 from .checkpoints import check_dit_weights, load_dit_weights, read_checkpoint, strip_prefix
@@ -23,6 +25,7 @@ from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
 from .precision import is_fp16
 from .sampling import Sampler, sample_latents
+from .schedules import WarmupDecayLR
 from .vae import DEFAULT_SCALE_FACTOR, clip_denoised_for, decode_latents, is_pixel_space, load_vae
 
 log = logging.getLogger(__name__)
@@ -53,9 +56,13 @@ class DiTModule(L.LightningModule):
             and keeps the Python loop, so activation checkpointing still applies per block).
         attention_backend: force an SDPA kernel (``auto`` lets PyTorch choose).
         tf32: allow TF32 matmuls on Ampere+ GPUs (fp32 runs ~2-3x faster, tiny precision cost).
-        optimizer: optimiser factory; default AdamW(lr=1e-4, betas=(0.9, 0.999), weight_decay=0).
-        fused_optimizer: use the fused AdamW kernel on CUDA ("auto": when compatible).
-        warmup_steps: linear LR warm-up steps (0 in the paper).
+        optimizer: optimiser factory (``OptimizerCallable``); default AdamW(lr=1e-4, betas=(0.9, 0.999),
+            weight_decay=0), as the CLI's ``--print_config`` shows.
+        lr_scheduler: learning-rate schedule factory (``LRSchedulerCallable``), stepped every optimiser
+            step; default :class:`~dit_lightning.schedules.WarmupDecayLR` (warm-up, optional decay).
+        fused_optimizer: use the fused AdamW kernel on CUDA ("auto": when compatible, also for an
+            AdamW given as ``optimizer`` that leaves ``fused`` unset).
+        warmup_steps: deprecated shortcut for ``lr_scheduler: WarmupDecayLR(warmup_steps=N)``.
         ema: keep an exponential moving average of all weights.
         ema_decay: EMA decay per optimiser step (0.9999 in the paper).
         ema_warmup: use ``min(decay, (1 + n) / (10 + n))`` at step n, for short runs.
@@ -67,6 +74,8 @@ class DiTModule(L.LightningModule):
         sample_steps, sampler, cfg_scale, guide_channels: defaults for :meth:`sample`.
         vae: the VAE that decodes latents to images ("none/pixels" for pixel-space stores);
             linked from the data module.
+        scale_factor: the latent scale of the store (latents = VAE output x scale); linked from
+            the data module and kept in the checkpoint, so :meth:`decode` is right anywhere.
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class DiTModule(L.LightningModule):
         attention_backend: AttentionBackend = "auto",
         tf32: bool = True,
         optimizer: Optional[OptimizerCallable] = None,
+        lr_scheduler: Optional[LRSchedulerCallable] = None,
         fused_optimizer: Union[bool, Literal["auto"]] = "auto",
         warmup_steps: int = 0,
         ema: bool = True,
@@ -103,10 +113,12 @@ class DiTModule(L.LightningModule):
         cfg_scale: float = 1.0,
         guide_channels: Optional[int] = None,
         vae: Optional[str] = None,
+        scale_factor: Optional[float] = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer"])
-        latent_shape = tuple(latent_shape) if latent_shape is not None else (4, 32, 32)
+        # A plain list, not a tuple, so that hparams.yaml reads back with yaml.safe_load.
+        latent_shape = list(latent_shape) if latent_shape is not None else [4, 32, 32]
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         if len(latent_shape) != 3 or latent_shape[1] != latent_shape[2]:
             raise ValueError(f"latent_shape must be (C, H, H) with square latents, got {latent_shape}")
         self.model: DiT = build_dit(
@@ -129,6 +141,12 @@ class DiTModule(L.LightningModule):
             "", noise_schedule=noise_schedule, learn_sigma=learn_sigma, diffusion_steps=diffusion_steps
         )
         self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        if warmup_steps > 0:
+            rank_zero_deprecation(
+                "DiTModule(warmup_steps=N) is deprecated: set lr_scheduler to "
+                "dit_lightning.schedules.WarmupDecayLR with warmup_steps: N (the same schedule)"
+            )
         self.ema: Optional[DiT] = None
         initial = read_checkpoint(init_from) if init_from else None
         if initial is not None:
@@ -141,6 +159,11 @@ class DiTModule(L.LightningModule):
 
     # ---- weights ----------------------------------------------------------------------
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn != "fit" and "loops" in checkpoint:
+            # validate / test / predict of a checkpoint: restore its step (Lightning restores the
+            # loops only to resume fit), so metrics are logged at the step they belong to
+            trainer.fit_loop.load_state_dict(checkpoint["loops"]["fit_loop"])
         # Refuse a checkpoint of another architecture with a message that says which one it
         # is, before Lightning's generic load_state_dict error.
         if "state_dict" not in checkpoint:  # sharded checkpoint: loaded (strictly) by the strategy
@@ -200,7 +223,13 @@ class DiTModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.optimizer_factory is not None:
-            optimizer = self.optimizer_factory(params)
+            factory = self.optimizer_factory
+            keywords = getattr(factory, "keywords", {})  # a callable built by jsonargparse is a partial
+            is_adamw = torch.optim.AdamW in getattr(factory, "args", ()) or factory is torch.optim.AdamW
+            if is_adamw and keywords.get("fused") is None and keywords.get("foreach") is None and self._use_fused():
+                optimizer = factory(params, fused=True)  # fused AdamW where the user left it unset
+            else:
+                optimizer = factory(params)
         else:
             fused = self._use_fused()
             optimizer = torch.optim.AdamW(
@@ -211,11 +240,26 @@ class DiTModule(L.LightningModule):
                 fused=fused or None,
                 foreach=None if fused else True,
             )
-        if self.hparams.warmup_steps <= 0:
+        if self.lr_scheduler_factory is not None:
+            scheduler = self._build_scheduler(self.lr_scheduler_factory, optimizer)
+        elif self.hparams.warmup_steps > 0:
+            scheduler = WarmupDecayLR(optimizer, warmup_steps=self.hparams.warmup_steps)
+        else:
             return optimizer
-        warmup = self.hparams.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _build_scheduler(self, factory: Any, optimizer: torch.optim.Optimizer) -> Any:
+        keywords = getattr(factory, "keywords", {})
+        if WarmupDecayLR in getattr(factory, "args", ()) or factory is WarmupDecayLR:
+            if self.hparams.warmup_steps > 0 and not keywords.get("warmup_steps"):
+                factory = functools.partial(factory, warmup_steps=self.hparams.warmup_steps)
+            if keywords.get("decay", "none") != "none" and keywords.get("decay_steps") is None:
+                # the decay ends with the run: its total optimiser steps
+                total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else None
+                if not total or total == float("inf"):
+                    raise ValueError("lr_scheduler decay needs decay_steps, or trainer.max_steps to take it from")
+                factory = functools.partial(factory, decay_steps=total)
+        return factory(optimizer)
 
     # ---- the training objective -----------------------------------------------------------
     def _attention_context(self):
@@ -270,7 +314,9 @@ class DiTModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         every = self.trainer.log_every_n_steps if self._trainer is not None else 1
-        if self.global_step % max(1, every) == 0:
+        # Lightning writes step metrics after step s when (s + 1) % every == 0 (s counted from 0):
+        # compute the norm (a collective under FSDP) exactly then, so it lands at every log point.
+        if every > 0 and (self.global_step + 1) % every == 0:
             norm = grad_norm(self.model.parameters(), self._trainer.strategy if self._trainer is not None else None)
             if norm is not None:
                 self.log("train/grad_norm", norm, batch_size=1)
@@ -358,7 +404,8 @@ class DiTModule(L.LightningModule):
     def decode(self, latents: Tensor, scale_factor: Optional[float] = None) -> Tensor:
         """Images in [0, 1], (N, 3 or 1, H, W): through the VAE, or directly for pixel stores.
 
-        ``scale_factor`` defaults to that of the trainer's data module (its store), else 0.18215.
+        ``scale_factor`` defaults to the store's, recorded with the model (``scale_factor``, linked from
+        the data module by the CLI), then to the trainer's data module, then to 0.18215 (the SD VAEs').
         """
         name = self.hparams.vae
         if is_pixel_space(name):
@@ -368,5 +415,5 @@ class DiTModule(L.LightningModule):
         vae = self._decoder_cache[name].to(latents.device)
         if scale_factor is None:
             data = self._trainer.datamodule if self._trainer is not None else None
-            scale_factor = getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
+            scale_factor = self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
         return decode_latents(latents, vae, scale_factor)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import lightning as L
 import numpy as np
@@ -26,6 +26,7 @@ from ..evaluation.fid import (
 from ..images import to_uint8
 from ..sampling import LabelPlan, LabelSpec, Sampler, parse_labels
 from ..vae import is_pixel_space
+from .checkpoint import run_path
 
 Metric = Literal["fid", "is", "kid", "digits"]
 Stage = Literal["test", "validate"]
@@ -71,7 +72,8 @@ class GenerationMetrics(L.Callback):
         stages: "test" (default) and/or "validate" (after every validation epoch, also during fit:
             e.g. an FID-5K curve; never in the sanity check).
         output: also write the metrics with their details (per-class accuracy, sampling settings)
-            to this JSON file (atomically; ``{stage}`` in the name is replaced).
+            to this JSON file (atomically; ``{stage}`` becomes "test" or "val", ``{log_dir}`` the
+            run's directory).
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class GenerationMetrics(L.Callback):
         num_samples: int = 50_000,
         reference: Optional[str] = None,
         inception_weights: Optional[str] = None,
-        feature_extractor: Optional[nn.Module] = None,
+        feature_extractor: Optional[Callable[[Tensor], Tensor]] = None,
         antialias: bool = False,
         cache_dir: Optional[str] = "auto",
         image_size: Optional[int] = None,
@@ -102,6 +104,8 @@ class GenerationMetrics(L.Callback):
         self.num_samples = int(num_samples)
         self.reference = reference
         self.inception_weights = inception_weights
+        if feature_extractor is not None and not isinstance(feature_extractor, nn.Module):
+            raise TypeError("feature_extractor must be a torch.nn.Module mapping uint8 (N, 3, H, W) to (N, D)")
         self.feature_extractor = feature_extractor
         self.antialias = antialias
         self.cache_dir = cache_dir
@@ -250,16 +254,14 @@ class GenerationMetrics(L.Callback):
             "seed": self.seed,
             "weights": pl_module.hparams.eval_weights,
         }
-        self.last = {**result, "stage": prefix, "sampling": sampling}
-        if prefix == "val":
-            self.last["global_step"] = int(trainer.global_step)  # `test` does not restore the step
-        else:
+        self.last = {**result, "stage": prefix, "sampling": sampling, "global_step": int(trainer.global_step)}
+        if prefix != "val":
             self.last["checkpoint"] = str(trainer.ckpt_path) if trainer.ckpt_path else None
         for name, value in self.scalars(result).items():
             # Identical on every rank (computed on rank 0 and broadcast): no reduction needed.
             pl_module.log(f"{prefix}/{name}", value, sync_dist=False, batch_size=self.num_samples)
         if self.output and trainer.is_global_zero:
-            write_json(Path(self.output.replace("{stage}", prefix)), self.last)
+            write_json(run_path(self.output, trainer, stage=prefix), self.last)
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active("test"):

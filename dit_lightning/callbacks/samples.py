@@ -2,40 +2,56 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
-from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from ..distributed.sharding import is_sharded
 from ..images import make_grid_image, save_png, save_sample, to_uint8
 from ..sampling import Sampler
+from .checkpoint import run_path
+from .media import log_image
 
 
 class PredictionWriter(BasePredictionWriter):
     """Writes the images of ``dit-lightning predict`` as PNGs named by sample index and class
-    (atomically; samples whose file exists are rewritten identically, the draws being keyed)."""
+    (atomically; samples whose file exists are rewritten identically, the draws being keyed).
+    ``dit-lightning predict`` adds one writing to ``{log_dir}/predictions`` when none is configured.
 
-    def __init__(self, output_dir: str = "outputs/predict") -> None:
+    Args:
+        output_dir: the directory of the PNGs; ``{log_dir}`` is the run's directory.
+    """
+
+    def __init__(self, output_dir: str = "{log_dir}/predictions") -> None:
         super().__init__(write_interval="batch")
-        self.output_dir = Path(output_dir)
+        self.output_dir = output_dir
+        self.written = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.resolved_dir = run_path(self.output_dir, trainer)
+        self.written = 0
 
     def write_on_batch_end(
         self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0
     ) -> None:
         arrays = to_uint8(prediction["images"])
         for i, y, array in zip(prediction["index"].tolist(), prediction["y"].tolist(), arrays):
-            save_sample(array, self.output_dir, i, y)
+            save_sample(array, self.resolved_dir, i, y)
+        self.written += len(arrays)
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        written = trainer.strategy.reduce(torch.tensor(float(self.written)), reduce_op="sum")
+        if trainer.is_global_zero:
+            print(f"predict: {int(written)} images written to {self.resolved_dir}")
 
 
 class SampleGrid(L.Callback):
     """Every ``every_n_steps`` optimiser steps (and at the end of fit), sample ``per_class``
     images for each class in ``classes`` with fixed noise from the EMA weights, and log the
-    grid (one row per class) to TensorBoard as ``samples/grid``; at the end of fit also
+    grid (one row per class) to every logger as ``samples/grid``; at the end of fit also
     write it to ``output`` as a PNG.
 
     Args:
@@ -44,8 +60,10 @@ class SampleGrid(L.Callback):
         per_class: images per row.
         num_steps, sampler, cfg_scale: sampling settings (few steps keep it cheap).
         seed: fixes the noise, so grids of successive steps are comparable.
-        output: PNG path written at the end of fit (None: TensorBoard only).
-        upscale: nearest-neighbour magnification of the PNG.
+        output: PNG path written at the end of fit (None: the loggers only); ``{log_dir}`` is the
+            run's directory (``outputs/demo/version_N``).
+        upscale: nearest-neighbour magnification of the PNG and of the logged grid (the logged
+            grid is magnified to at least 256 pixels across, so small images stay visible).
     """
 
     def __init__(
@@ -86,9 +104,11 @@ class SampleGrid(L.Callback):
         )
         images = pl_module.decode(latents)
         self.last_grid = make_grid_image(images, nrow=self.per_class)
-        for logger in trainer.loggers if trainer.is_global_zero else []:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_image("samples/grid", self.last_grid, global_step=trainer.global_step)
+        if trainer.is_global_zero and getattr(self, "_logged_step", None) != trainer.global_step:
+            self._logged_step = trainer.global_step  # the end of fit renders the last step again
+            factor = max(self.upscale, -(-256 // self.last_grid.shape[-1]))
+            shown = self.last_grid.repeat_interleave(factor, dim=1).repeat_interleave(factor, dim=2)
+            log_image(trainer, "samples/grid", shown, trainer.global_step)
         return self.last_grid
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -106,5 +126,5 @@ class SampleGrid(L.Callback):
             return
         grid = self.render(trainer, pl_module)
         if self.output and trainer.is_global_zero:
-            path = save_png(grid, self.output, upscale=self.upscale)
+            path = save_png(grid, run_path(self.output, trainer), upscale=self.upscale)
             print(f"sample grid ({len(self._labels(pl_module))} images, one row per class) written to {path}")

@@ -21,11 +21,11 @@ from typing import Any, Optional
 import lightning
 import lightning as L
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from ..planner.hardware import peak_flops_for, tf32_enabled
 from ..precision import DTypeLike, compute_dtype, to_dtype
+from .media import log_text
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +168,7 @@ def print_fit_summary(trainer: L.Trainer, pl_module: L.LightningModule) -> Optio
         cb.summary_line = line
     if trainer.is_global_zero:
         print(line, flush=True)
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text("summary", line, global_step=trainer.global_step)
-                logger.experiment.flush()
+        log_text(trainer, "summary", line, step=trainer.global_step)
     return line
 
 

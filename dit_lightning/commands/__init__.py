@@ -6,20 +6,21 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-# tool name -> (module under dit_lightning.commands, function), imported only when the tool runs.
-TOOLS: dict[str, tuple[str, str]] = {
-    "extract": ("extract", "extract"),
-    "prepare-digits": ("prepare_digits", "prepare_digits"),
-    "export": ("export", "export"),
-    "consolidate": ("consolidate", "consolidate"),
-    "prune": ("prune", "prune"),
-    "plan": ("plan", "plan"),
-    "sample": ("sample", "sample"),
-    "evaluate": ("evaluate", "evaluate"),
+# tool name -> (module under dit_lightning.commands, function, one-line summary); a tool's module is
+# imported only when it runs.
+TOOLS: dict[str, tuple[str, str, str]] = {
+    "extract": ("extract", "extract", "an ImageFolder -> a latent store (VAE posteriors), resumable, multi-GPU"),
+    "prepare-digits": ("prepare_digits", "prepare_digits", "the demo's store from scikit-learn's bundled digits"),
+    "export": ("export", "export", "a checkpoint -> the reference {model, ema, opt, args} file or raw weights"),
+    "consolidate": ("consolidate", "consolidate", "a sharded (FSDP) checkpoint directory -> one file"),
+    "prune": ("prune", "prune", "a smaller DiT: fewer blocks, MLP channels or heads"),
+    "plan": ("plan", "plan", "predicted GPU memory; --fit: the fastest setting that fits a GPU"),
+    "sample": ("sample", "sample", "images from a checkpoint: PNGs, grid, ADM .npz; keyed, resumable"),
+    "evaluate": ("evaluate", "evaluate", "sample, then FID / IS / KID (or the digits metrics)"),
 }
 
 
 def tool(name: str) -> Callable:
     """The function of tool ``name``."""
-    module, function = TOOLS[name]
+    module, function, _ = TOOLS[name]
     return getattr(importlib.import_module(f"{__name__}.{module}"), function)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..atomic import write_json
 from ..evaluation.digits import digits_metrics_from_samples
@@ -25,9 +25,9 @@ def evaluate(
     output: str,
     reference: Optional[str] = None,
     num_samples: int = 50_000,
-    metrics: list[str] = ["fid"],  # noqa: B006 - jsonargparse needs a plain default
+    metrics: Union[str, list[str]] = "fid",
     inception_weights: Optional[str] = None,
-    feature_extractor: Optional[nn.Module] = None,
+    feature_extractor: Optional[Callable[[Tensor], Tensor]] = None,
     antialias: bool = False,
     cache_dir: Optional[str] = "auto",
     image_size: Optional[int] = None,
@@ -48,17 +48,47 @@ def evaluate(
     world_size: Optional[int] = None,
     progress: bool = True,
 ) -> Optional[dict[str, Any]]:
-    """Sample ``num_samples`` images (resumable, distributed: see ``dit-lightning sample``) and
-    measure them: FID / IS / KID with torchmetrics, and "digits" (classifier accuracy and
-    Fréchet distances in offline feature spaces, for the digits demo). Writes
-    ``output/metrics.json``; returns the metrics on the process that computed them.
+    """Sample ``num_samples`` images (as ``dit-lightning sample``: keyed, resumable, multi-rank) and
+    measure them; writes ``output/metrics.json`` and returns the metrics (on the process that
+    computed them). Settings are checked before sampling starts.
 
-    ``reference``: an image folder, a latent store (decoded), an ``.npz`` of images (``arr_0``)
-    or of statistics (``mu``/``sigma``, e.g. ADM's ``VIRTUAL_imagenet256_labeled.npz``).
-    ``inception_weights``: the local InceptionV3 weights file (offline machines).
-    The Inception and reference settings are checked before sampling starts.
+    Args:
+        checkpoint: any DiT checkpoint (Lightning, reference ``{model, ema, opt, args}``, raw weights).
+        output: the sample directory (``dit-lightning sample``'s layout) and ``metrics.json``.
+        reference: the real images for FID / KID: an image folder, a latent store (decoded), an
+            ``.npz`` of images (``arr_0``) or of statistics (``mu``/``sigma``, e.g. ADM's
+            ``VIRTUAL_imagenet256_labeled.npz``).
+        num_samples: images to generate and measure (50,000 for the published FID-50K).
+        metrics: ``fid``, ``is``, ``kid`` and/or ``digits`` (the digits demo's classifier accuracy and
+            Fréchet distances): one name, a comma-separated list (``fid,is``) or a list.
+        inception_weights: the InceptionV3 weights file for FID / IS / KID (offline machines);
+            default ``$DIT_INCEPTION_WEIGHTS`` or torch hub's checkpoint cache.
+        feature_extractor: a module mapping uint8 (N, 3, H, W) images to (N, D) features, used
+            instead of Inception (Python API; not for IS).
+        antialias: torchmetrics' resize to 299 px; False (TF1-compatible) matches published FIDs.
+        cache_dir: where reference statistics are cached ("auto": ``~/.cache/dit-lightning``; None: off).
+        image_size: centre-crop size of reference folder images.
+        max_reference: use at most this many reference images.
+        labels: "random" (uniform, keyed on seed and index: the FID protocol), "all", "0-9",
+            "1,5,7" or a list.
+        sampler, num_steps, eta, cfg_scale, guide_channels: sampling settings as for ``sample``
+            (default: the checkpoint's, else DDPM-250 without guidance).
+        seed: key of the labels and the noise: sample i depends only on (seed, i).
+        batch_size: samples per forward (per rank); does not change the images.
+        precision: autocast of the DiT while sampling: fp32, bf16 or fp16.
+        weights: "ema" (default) or "raw" training weights.
+        vae: the VAE that decodes latents (default: the checkpoint's).
+        device: "auto", "cpu" or "cuda" (under torchrun each rank takes cuda:LOCAL_RANK).
+        rank, world_size: this process's share of the samples (default: torchrun's).
+        progress: print progress and the result.
     """
-    wanted = [m.lower() for m in metrics]
+    wanted = [m.strip().lower() for m in (metrics.split(",") if isinstance(metrics, str) else metrics) if m.strip()]
+    known = {"fid", "is", "kid", "digits"}
+    if not wanted or set(wanted) - known:
+        raise ValueError(f"metrics {sorted(set(wanted) - known) or metrics!r}: choose from fid, is, kid, digits")
+    extractor = feature_extractor
+    if extractor is not None and not isinstance(extractor, nn.Module):
+        raise TypeError("feature_extractor must be a torch.nn.Module mapping uint8 (N, 3, H, W) to (N, D)")
     inception_needed = any(m in wanted for m in ("fid", "is", "kid")) and feature_extractor is None
     if inception_needed:
         find_inception_weights(inception_weights)  # fail now, not after hours of sampling
@@ -86,7 +116,7 @@ def evaluate(
                 reference,
                 image_metrics,
                 inception_weights,
-                feature_extractor,
+                extractor,
                 antialias,
                 cache_dir,
                 image_size=image_size,
@@ -101,8 +131,14 @@ def evaluate(
     out["sampling"] = {
         k: config[k] for k in ("sampler", "num_steps", "cfg_scale", "guide_channels", "seed", "weights", "vae")
     }
-    write_json(Path(output) / "metrics.json", out)
+    if progress:  # shown before it is written: a failing write loses nothing
+        shown = {k: v for k, v in out.items() if k in ("fid", "is", "is_std", "kid", "kid_std", "num_samples")}
+        if "digits" in out:
+            d = out["digits"]
+            shown["digits_accuracy"] = d["accuracy"]
+            shown.update({f"digits_{k}": v for k, v in d["frechet"].items() if k.startswith("fd_")})
+        print("metrics: " + json.dumps(shown, sort_keys=True))
+    path = write_json(Path(output) / "metrics.json", out)
     if progress:
-        shown = {k: v for k, v in out.items() if k in ("fid", "is", "kid", "num_samples", "num_reference")}
-        print(f"metrics: {json.dumps(shown)} -> {Path(output) / 'metrics.json'}")
+        print(f"written to {path}")
     return out

@@ -1,0 +1,295 @@
+"""LightningCLI for DiT: ``fit | validate | test | predict``, with the model linked to the data store,
+every standard Lightning knob working, and one directory per run.
+
+- The model's latent shape, classes, VAE and latent scale come from the data store (links), so a
+  model and a store that do not match cannot be configured.
+- Optimiser and learning-rate schedule are arguments of the model (``model.optimizer``,
+  ``model.lr_scheduler``: any ``torch.optim`` class and any scheduler, defaults shown by
+  ``--print_config``); LightningCLI's automatic top-level ``--optimizer`` is off, so nothing can
+  silently do nothing.
+- Checkpointing and the progress bar are on by default and configurable (``checkpoint.*``,
+  ``progress_bar.*``); ``--trainer.enable_checkpointing false`` / ``enable_progress_bar false``,
+  or another progress bar in ``trainer.callbacks``, turn the defaults off.
+- Each ``fit`` is a run directory of the logger (``outputs/demo/version_N`` with its checkpoints,
+  config, samples and logs); ``outputs/demo/last.ckpt`` links the newest run's last checkpoint and
+  ``--ckpt_path last`` reads it. Resuming a run's checkpoint continues in that run's directory;
+  ``validate`` / ``test`` / ``predict`` of it log there too, at the checkpoint's step.
+- ``--ckpt_path`` takes the architecture and settings the checkpoint was trained with for
+  whatever the configs and the command line leave unset: settings given explicitly win.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
+from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from .callbacks.checkpoint import LATEST, DiTModelCheckpoint, newest_run_checkpoint, run_directory_of
+from .callbacks.config_logger import ConfigLogger
+from .callbacks.generation import GenerationMetrics
+from .callbacks.progress import DiTProgressBar
+from .callbacks.samples import PredictionWriter
+from .checkpoints import read_checkpoint
+from .data import LatentDataModule
+from .module import DiTModule
+from .plugins import AtomicCheckpointIO
+
+# Classes a checkpoint's hyper-parameters may name (``_class_path``): this package's, and the
+# prefixes a user trusts explicitly (comma-separated). Naming a class imports its module.
+TRUSTED_CLASSES_ENV = "DIT_LIGHTNING_TRUSTED_CLASSES"
+_TRUSTED = ("dit_lightning.",)
+_EVAL = ("validate", "test", "predict")
+
+
+def _store_vae(data: LatentDataModule) -> str:
+    return data.spec.vae
+
+
+def _quiet_third_party() -> None:
+    """Silence what users cannot act on: torch's LeafSpec deprecation raised from inside Lightning
+    2.6's own pytree code, LightningCLI's note about ``args`` (our ``main`` passes them on purpose),
+    and Lightning's advertisements for its cloud products."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
+
+    class _NoTips(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "Tip: For seamless cloud" not in record.getMessage()
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_NoTips())
+
+
+class DiTModelSummary(ModelSummary):
+    """Lightning's model summary with the DiT's analytic forward FLOPs per image in place of the
+    "Total FLOPs: 0" that an ``example_input_array``-less module gets."""
+
+    def __init__(self, max_depth: int = 1, **kwargs: Any) -> None:
+        super().__init__(max_depth=max_depth, **kwargs)
+        self._flops = 0
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        macs = getattr(pl_module, "forward_macs_per_image", None)
+        self._flops = 2 * int(macs()) if callable(macs) else 0
+        super().on_fit_start(trainer, pl_module)
+
+    def summarize(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        if self._flops:
+            if "total_flops" in kwargs:
+                kwargs["total_flops"] = self._flops
+            elif len(args) >= 6:
+                args = (*args[:5], self._flops, *args[6:])
+        return super().summarize(*args, **kwargs)
+
+
+class DiTCLI(LightningCLI):
+    """LightningCLI for DiTModule (or a subclass) and LatentDataModule; see the module docstring."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        # Subclass mode: DiTModule or a subclass (DistillationModule) chosen by model.class_path;
+        # plain model arguments in a config mean DiTModule. Their arguments live under init_args.
+        model = "model.init_args." if self.subclass_mode_model else "model."
+        # (a list, not the store's tuple: hparams.yaml must read back with yaml.safe_load)
+        parser.link_arguments("data.latent_shape", model + "latent_shape", compute_fn=list, apply_on="instantiate")
+        parser.link_arguments("data.num_classes", model + "num_classes", apply_on="instantiate")
+        parser.link_arguments("data", model + "vae", compute_fn=_store_vae, apply_on="instantiate")
+        parser.link_arguments("data.scale_factor", model + "scale_factor", apply_on="instantiate")
+        optimizers = {
+            "optimizer": {
+                "class_path": "torch.optim.AdamW",
+                "init_args": {"lr": 1e-4, "betas": [0.9, 0.999], "weight_decay": 0.0},  # the paper's
+            },
+            "lr_scheduler": {"class_path": "dit_lightning.schedules.WarmupDecayLR"},
+        }
+        if self.subclass_mode_model:
+            parser.set_defaults({"model": {"class_path": "dit_lightning.module.DiTModule", "init_args": optimizers}})
+        else:
+            parser.set_defaults({f"model.{k}": v for k, v in optimizers.items()})
+        # Checkpointing (every N optimiser steps, plus last.ckpt) and the run-level progress bar
+        # are on by default and configurable; the Trainer's switches turn them off.
+        parser.add_lightning_class_args(DiTModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 1000})
+        parser.add_lightning_class_args(DiTProgressBar, "progress_bar")
+        # What `test` measures besides the held-out loss: FID / IS / KID or the digits metrics of
+        # freshly sampled images (`evaluation.metrics`; off while the list is empty).
+        parser.add_lightning_class_args(GenerationMetrics, "evaluation")
+
+    # ---- --ckpt_path ------------------------------------------------------------------------
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        self._args = list(args) if args is not None else sys.argv[1:]
+        super().parse_arguments(parser, args)
+
+    def _logger_root(self, subconfig: Any) -> Optional[Path]:
+        """``save_dir/name`` of the first configured logger with directories (TensorBoard, CSV...)."""
+        logger = subconfig.get("trainer", {}).get("logger")
+        if isinstance(logger, list):
+            logger = logger[0] if logger else None
+        if logger is None or logger is True:
+            default_root = subconfig.get("trainer", {}).get("default_root_dir") or os.getcwd()
+            return Path(default_root) / "lightning_logs"
+        init = logger.get("init_args", {}) if hasattr(logger, "get") else {}
+        save_dir = init.get("save_dir") if hasattr(init, "get") else None
+        if not save_dir:
+            return None
+        name = init.get("name", "lightning_logs")
+        return Path(save_dir) / (name or "")
+
+    def _parse_ckpt_path(self) -> None:
+        """Resolve ``--ckpt_path`` (``last``, a run's checkpoint), refuse what is not a Lightning
+        checkpoint of this package, and take the checkpoint's settings for what is left unset."""
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        sub = self.config[subcommand]
+        ckpt_path = sub.get("ckpt_path")
+        root = self._logger_root(sub)
+        if ckpt_path == "last":
+            found = newest_run_checkpoint(root) if root is not None else None
+            if found is None:
+                raise FileNotFoundError(
+                    f"--ckpt_path last: no checkpoint of this config yet (looked for {root}/{LATEST} and "
+                    f"{root}/version_*/checkpoints/{LATEST}); train first, or give the checkpoint's path"
+                )
+            ckpt_path = str(found)
+        elif ckpt_path is None and subcommand in _EVAL:
+            model = sub.get("model", {})
+            init_from = model.get("init_args", model).get("init_from") if hasattr(model, "get") else None
+            if not init_from:
+                raise ValueError(
+                    f"dit-lightning {subcommand} needs --ckpt_path: a checkpoint file, or `last` for the newest run "
+                    "of this config. (To measure weights that are not a training checkpoint, pass them as "
+                    "--model.init_from FILE.)"
+                )
+        if ckpt_path is None:
+            return
+        sub.ckpt_path = ckpt_path = str(Path(ckpt_path).resolve()) if Path(ckpt_path).exists() else ckpt_path
+        self._continue_run(sub, subcommand, ckpt_path, root)
+        hparams = self._checkpoint_hparams(ckpt_path)
+        if hparams:
+            # defaults < the checkpoint's settings < configs and command line (in their order)
+            recorded = json.dumps({"model": hparams}, default=lambda v: list(v) if isinstance(v, tuple) else str(v))
+            self.config = self.parser.parse_args([self._args[0], "--config", recorded, *self._args[1:]])
+            self.config[subcommand].ckpt_path = ckpt_path
+            self._continue_run(self.config[subcommand], subcommand, ckpt_path, root)
+
+    @staticmethod
+    def _checkpoint_hparams(ckpt_path: str) -> dict[str, Any]:
+        path = Path(ckpt_path)
+        if not path.exists():
+            raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist")
+        if path.is_dir():  # a sharded checkpoint directory: the strategy loads it (and its settings)
+            return {}
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:
+            ckpt = None
+        if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "pytorch-lightning_version" not in ckpt:
+            try:
+                kind = f"a {read_checkpoint(path).format} DiT checkpoint"
+            except (ValueError, FileNotFoundError) as e:
+                raise ValueError(f"--ckpt_path {ckpt_path} is not a checkpoint: {e}") from None
+            raise ValueError(
+                f"--ckpt_path {ckpt_path} is {kind}, not a Lightning training checkpoint: --ckpt_path resumes or "
+                f"evaluates checkpoints written by `dit-lightning fit`. To start from these weights use "
+                f"--model.init_from {ckpt_path}; to sample them, `dit-lightning sample --checkpoint {ckpt_path}`."
+            )
+        hparams = dict(ckpt.get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        class_path = hparams.pop("_class_path", None)
+        if class_path is None:
+            return {k: v for k, v in hparams.items() if k not in ("optimizer", "lr_scheduler")}
+        trusted = _TRUSTED + tuple(p.strip() for p in os.environ.get(TRUSTED_CLASSES_ENV, "").split(",") if p.strip())
+        if not class_path.startswith(trusted):
+            raise ValueError(
+                f"--ckpt_path {ckpt_path} names the class {class_path!r}, which is not one of this package's: "
+                f"loading it would import (and run) that module. If you trust it, set {TRUSTED_CLASSES_ENV}="
+                f"{class_path.rsplit('.', 1)[0]}."
+            )
+        return {"class_path": class_path, "init_args": hparams}
+
+    def _continue_run(self, sub: Any, subcommand: str, ckpt_path: str, root: Optional[Path]) -> None:
+        """A checkpoint inside ``<root>/version_K/checkpoints`` continues (fit) or is evaluated in the
+        directory of that run, unless the logger's version is set explicitly."""
+        if root is None:
+            return
+        version = run_directory_of(ckpt_path, root)
+        logger = sub.get("trainer", {}).get("logger")
+        if version is None or not hasattr(logger, "get") or "init_args" not in logger:
+            return
+        if logger["init_args"].get("version") is None:
+            logger["init_args"]["version"] = version
+            self._resumed_run = version
+
+    # ---- the Trainer --------------------------------------------------------------------------
+    def before_instantiate_classes(self) -> None:
+        sub = self.config[self.subcommand]
+        logger = sub.get("trainer", {}).get("logger")
+        loggers = logger if isinstance(logger, list) else [logger]
+        for lg in loggers:
+            # hp_metric = -1 in TensorBoard's hparams tab says nothing: off unless asked for
+            if hasattr(lg, "get") and str(lg.get("class_path", "")).endswith("TensorBoardLogger"):
+                if lg["init_args"].get("default_hp_metric") is None or lg["init_args"].get("default_hp_metric") is True:
+                    lg["init_args"]["default_hp_metric"] = False
+        # One config record per subcommand; a resumed or evaluated run keeps the fit's record.
+        name = "config.yaml" if self.subcommand == "fit" else f"{self.subcommand}-config.yaml"
+        if self.subcommand == "fit" and getattr(self, "_resumed_run", None) is not None:
+            name = f"config-resumed-from-step-{self._checkpoint_step()}.yaml"
+        self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": name, "overwrite": True}
+
+    def _checkpoint_step(self) -> int:
+        path = self.config[self.subcommand].get("ckpt_path")
+        try:
+            return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step", 0))
+        except Exception:
+            return 0
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        parser = self._parser(self.subcommand)
+        user_callbacks = trainer_config.get("callbacks") or []
+        user_callbacks = user_callbacks if isinstance(user_callbacks, list) else [user_callbacks]
+        dropped = set()
+        if trainer_config.get("enable_checkpointing") is False:
+            dropped.add("checkpoint")
+        if trainer_config.get("enable_progress_bar") is False or any(isinstance(c, ProgressBar) for c in user_callbacks):
+            dropped.add("progress_bar")  # the user's bar, or none: ours would clash
+        parser.callback_keys = [k for k in parser.callback_keys if k not in dropped]
+        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in user_callbacks):
+            user_callbacks = [*user_callbacks, PredictionWriter()]  # predictions are kept, in the run's directory
+            kwargs["callbacks"] = user_callbacks
+        if trainer_config.get("enable_model_summary", True) is not False and not any(
+            isinstance(c, ModelSummary) for c in user_callbacks
+        ):
+            kwargs["callbacks"] = [*user_callbacks, DiTModelSummary()]
+            kwargs["enable_model_summary"] = False  # Lightning's own default summary: ours replaces it
+        # Atomic checkpoint writes unless the user configured their own CheckpointIO plugin.
+        plugins = kwargs.get("plugins") or trainer_config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        return super().instantiate_trainer(**kwargs)
+
+
+def run_lightning_cli(args: list[str]) -> None:
+    """``dit-lightning fit|validate|test|predict ...``."""
+    _quiet_third_party()
+    DiTCLI(
+        DiTModule,
+        LatentDataModule,
+        subclass_mode_model=True,  # DiTModule or a subclass (dit_lightning.distill.DistillationModule)
+        save_config_callback=ConfigLogger,
+        auto_configure_optimizers=False,  # optimiser and schedule are the model's arguments
+        parser_kwargs={"exit_on_error": False},
+        args=args,
+    )
