@@ -1,46 +1,14 @@
+"""The `dit-lightning` CLI: config merging and validation, every shipped config, a killed run
+resuming bit for bit, predict / test from a checkpoint, and the tools' help."""
+
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dit_lightning.cli import main
-
-ROOT = Path(__file__).resolve().parents[1]
-DEMO = str(ROOT / "configs" / "demo.yaml")
-# The demo's model and data shrunk so a fit takes seconds.
-TINY = [
-    "--model.depth", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
-    "--data.global_batch_size", "32", "--data.val_size", "64",
-    "--trainer.callbacks=[]", "--trainer.log_every_n_steps", "1", "--trainer.enable_model_summary", "false",
-    "--trainer.enable_progress_bar", "false",
-]
-
-
-def run_cli(args, tmp_path, check=True):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "dit_lightning.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def fit_args(tmp_path, name, steps, extra=()):
-    out = tmp_path / name
-    return [
-        "fit", "--config", DEMO, *TINY,
-        "--data.path", str(tmp_path / "digits"),
-        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "1000",
-        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
-        "--trainer.logger.save_dir", str(out), "--trainer.logger.name", "", "--trainer.logger.version", "",
-        "--checkpoint.dirpath", str(out / "ckpt"), "--checkpoint.every_n_train_steps", "4",
-        *extra,
-    ]
+from tests.helpers.cli import DEMO, ROOT, TINY, fit_args, run_cli
 
 
 def losses(run_dir: Path) -> dict[int, str]:

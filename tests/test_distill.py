@@ -3,11 +3,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dit_lightning.distill import DistillationModule
 from dit_lightning.checkpoints import save_dit as save_pruned
+from dit_lightning.distill import DistillationModule
 from dit_lightning.module import DiTModule
+from tests.helpers.training import TINY_MODULE as TINY
+from tests.helpers.training import DictDataset
 
-from .conftest import TINY_MODULE as TINY, DictDataset
 SMALL = {**TINY, "hidden_size": 16, "num_heads": 2}
 
 

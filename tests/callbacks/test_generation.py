@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from dit_lightning.callbacks import GenerationMetrics
-from dit_lightning.data import LatentDataModule, prepare_digits
+from dit_lightning.data import LatentDataModule
 from dit_lightning.evaluation.digits import digits_metrics, uint8_digit_features
 from dit_lightning.evaluation.fid import InceptionWeightsMissing
-from dit_lightning.module import DiTModule
 from dit_lightning.images import to_uint8
+from dit_lightning.module import DiTModule
 from dit_lightning.sampling import parse_labels
 from tests.helpers.tiny_features import TinyFeatures
 
@@ -25,11 +25,6 @@ N, STEPS = 23, 3  # an odd count: the last batch is short
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-    return prepare_digits(str(tmp_path_factory.mktemp("digits") / "store"))
 
 
 def build(store: str, val_size: int = 32, **kw) -> tuple[DiTModule, LatentDataModule]:

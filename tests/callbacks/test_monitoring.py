@@ -15,12 +15,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from dit_lightning.callbacks.config_logger import TensorBoardConfigLogger
-from dit_lightning.callbacks.throughput import device_peak_flops
+from dit_lightning.callbacks.memory import GPUMemoryMonitor
+from dit_lightning.callbacks.throughput import DiTThroughputMonitor, device_peak_flops, window_metrics
+from dit_lightning.module import DiTModule
 from dit_lightning.planner.hardware import PEAK_FLOPS, device_key, peak_flops_for
 from dit_lightning.precision import to_dtype as precision_dtype
-from dit_lightning.callbacks.memory import GPUMemoryMonitor
-from dit_lightning.callbacks.throughput import DiTThroughputMonitor, window_metrics
-from dit_lightning.module import DiTModule
+from tests.helpers.training import TINY_MODULE
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "monitoring.md"
 
@@ -75,9 +75,7 @@ class SlowCollate:
 
 
 def tiny_module(**overrides) -> DiTModule:
-    kw = dict(model="custom", latent_shape=(1, 8, 8), num_classes=10, depth=2, hidden_size=32, num_heads=4, patch_size=2)
-    kw.update(overrides)
-    return DiTModule(**kw)
+    return DiTModule(**{**TINY_MODULE, **overrides})
 
 
 def fit(tmp_path, module, callbacks, max_steps=8, batch_size=16, collate=None, val_loader=None, **trainer_kw):

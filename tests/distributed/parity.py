@@ -1,4 +1,4 @@
-"""Distributed training runs of a tiny DiT on the digits store, for tests/test_distributed.py.
+"""Distributed training runs of a tiny DiT on the digits store, for tests/distributed/test_distributed.py.
 
 Launched as a plain script, ``python tests/distributed/parity.py --data D --out O``: the first
 ``Trainer(devices=2)`` starts the second rank itself (Lightning's subprocess launcher re-runs
@@ -32,10 +32,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from dit_lightning.callbacks import GenerationMetrics  # noqa: E402
-from dit_lightning.plugins import AtomicCheckpointIO  # noqa: E402
 from dit_lightning.data import LatentDataModule  # noqa: E402
 from dit_lightning.distributed import DiTDDPStrategy, DiTFSDP2Strategy, full_state_dict, is_fsdp2  # noqa: E402
 from dit_lightning.module import DiTModule  # noqa: E402
+from dit_lightning.plugins import AtomicCheckpointIO  # noqa: E402
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*predefined device mesh.*")

@@ -1,14 +1,12 @@
 """FID / KID / IS plumbing with a tiny feature extractor (no Inception download possible here),
-the cached reference statistics, the missing-weights error, and the digits demo's metrics."""
-
-import json
-import os
+the cached reference statistics and the missing-weights error."""
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dit_lightning.commands.evaluate import evaluate
 from dit_lightning.evaluation.fid import (
     INCEPTION_WEIGHTS_URL,
     FeatureStats,
@@ -20,9 +18,7 @@ from dit_lightning.evaluation.fid import (
     image_batches,
     reference_stats,
 )
-from dit_lightning.commands.evaluate import evaluate
 from tests.helpers.tiny_features import TinyFeatures
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,40 +136,3 @@ def test_inception_loads_offline_from_a_weights_path(tmp_path, monkeypatch):
     assert not ext.antialias and ext.identity().endswith("antialias=False")
     out = ext(torch.from_numpy(smooth_images(2, size=32)).permute(0, 3, 1, 2).contiguous())
     assert out.shape == (2, 2048 + 1008) and torch.isfinite(out).all()
-
-
-def test_digits_frechet_distance_and_accuracy_on_real_digits():
-    from sklearn.datasets import load_digits
-
-    from dit_lightning.evaluation.digits import digits_frechet, digits_metrics
-
-    d = load_digits()
-    x, y = d.data / 16.0, d.target
-    pick = np.random.default_rng(1).permutation(len(x))[:300]
-    real = digits_metrics(x[pick], y[pick])
-    assert real["accuracy"] > 0.95
-    fr = real["frechet"]
-    # real digits sit near the finite-sample floor; noise and blur move away from it
-    assert fr["fd_pixels"] < 2 * fr["fd_pixels_real_baseline"] + 0.1
-    noisy = digits_frechet(np.clip(x[pick] + np.random.default_rng(0).normal(0, 0.3, x[pick].shape), 0, 1))
-    assert noisy["fd_pixels"] > 3 * fr["fd_pixels"] and noisy["fd_svc"] > fr["fd_svc"]
-
-
-def test_evaluate_samples_then_measures_against_a_store(tmp_path):
-    from dit_lightning.data import prepare_digits
-    from dit_lightning.models import DiT
-
-    store = prepare_digits(str(tmp_path / "digits"))
-    torch.manual_seed(0)
-    net = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=64, depth=1, num_heads=1, num_classes=10)
-    ckpt = tmp_path / "raw.pt"
-    torch.save(net.state_dict(), ckpt)
-    out = evaluate(
-        str(ckpt), str(tmp_path / "eval"), reference=store, num_samples=12, metrics=["fid", "digits"], feature_extractor=TinyFeatures(),
-        cache_dir=str(tmp_path / "cache"), labels="0-9", num_steps=4, device="cpu", progress=False, max_reference=200,
-    )  # fmt: skip
-    assert out["num_samples"] == 12 and out["num_reference"] == 200 and out["fid"] > 0
-    assert out["digits"]["samples"] == 12 and "fd_svc" in out["digits"]["frechet"]
-    saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert saved["fid"] == pytest.approx(out["fid"]) and saved["sampling"]["num_steps"] == 4
-    assert os.path.exists(tmp_path / "eval" / "samples.npz")

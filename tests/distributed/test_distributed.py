@@ -1,9 +1,11 @@
 """Distributed training: DDP, FSDP2 (ModelParallelStrategy), HSDP, sharded EMA, sharded
 checkpoints and their consolidation, against the same training in one process.
 
-The distributed runs happen in subprocesses (tests/distributed/parity.py): one 2-process job
+The distributed runs happen in subprocesses (parity.py, next to this file): one 2-process job
 (Lightning's own launcher, single node) and one 2-node x 1-process job (two torchrun agents),
-started together by a module fixture while this process trains the 1-process references.
+started together by the module fixture ``runs`` while this process trains the 1-process
+references. Every test that reads those runs stays in this file, so they happen once.
+(``store``, the digits store, comes from tests/conftest.py.)
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ import torch
 
 from dit_lightning.checkpoints import infer_dit_config, is_sharded_checkpoint, load_dit_weights, read_checkpoint
 from dit_lightning.commands.consolidate import consolidate
-from dit_lightning.planner import plan_memory, state_per_device
-from dit_lightning.models import DiT, dit_params, shape_of
+from dit_lightning.models import DiT
 from tests.distributed import parity
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "distributed" / "parity.py")
 TIMEOUT = 420
 ATOL = 1e-6  # float32 reduction-order differences after 4 steps are ~3e-8; the updates are ~4e-3
@@ -65,13 +66,6 @@ def _state(module, samples: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     if samples:
         state["samples"] = torch.cat([module.sample([1, 2], num_steps=2, cfg_scale=c, seed=0) for c in (1.0, 2.0)]).cpu()
     return state
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-    from dit_lightning.data import prepare_digits
-
-    return prepare_digits(str(tmp_path_factory.mktemp("digits") / "store"))
 
 
 @pytest.fixture(scope="module")
@@ -298,30 +292,6 @@ def test_consolidate_a_single_file_checkpoint_is_an_export(runs, tmp_path):
     assert set(out) == {"model", "ema", "args"}
 
 
-# ---- memory model ----------------------------------------------------------------------
-
-
-def test_state_per_device_shards_as_documented():
-    """The planner's static state per device (docs/distributed.md's table) for each layout."""
-    n = dit_params(shape_of("DiT-XL/2"))
-    ddp = state_per_device("DiT-XL/2", 8, "ddp")
-    full = state_per_device("DiT-XL/2", 8, "fsdp", "FULL_SHARD")
-    zero2 = state_per_device("DiT-XL/2", 8, "fsdp", "SHARD_GRAD_OP")
-    hybrid = state_per_device("DiT-XL/2", 32, "fsdp", "FULL_SHARD", shard_group=8)
-    assert abs(ddp["params"] - 4 * n / 1024**3) < 1e-9 and abs(ddp["total"] - 20 * n / 1024**3) < 0.01
-    assert ddp["gathered"] == 0
-    state = ("params", "grads", "optimizer", "ema")
-    assert abs(sum(full[k] for k in state) - sum(ddp[k] for k in state) / 8) < 0.01
-    # SHARD_GRAD_OP shards the state like FULL_SHARD but keeps the whole model gathered (bf16)
-    assert all(zero2[k] == full[k] for k in state) and abs(zero2["gathered"] - 2 * n / 1024**3) < 1e-9
-    assert full["gathered"] < zero2["gathered"] / 5
-    assert hybrid == full
-    # the planner's peak uses exactly this state
-    plan = plan_memory("DiT-XL/2", world_size=8, strategy="fsdp", sharding="FULL_SHARD", micro_batch=1)
-    assert plan.optimizer_states / 1024**3 == pytest.approx(full["optimizer"])
-    assert plan.ema_weights / 1024**3 == pytest.approx(full["ema"])
-
-
 # ---- FSDP1 (GPU only in Lightning 2.6) -----------------------------------------------------
 
 
@@ -352,28 +322,6 @@ def test_fsdp1_on_gpus_matches_one_gpu_and_resumes(store, tmp_path):
     net.load_state_dict(obj["ema"], strict=True)
     for k, v in net.state_dict().items():
         torch.testing.assert_close(v, fsdp1["ema"][k], rtol=0, atol=1e-6)
-
-
-# ---- the CLI with a sharded hardware profile ----------------------------------------------------
-
-
-def test_cli_fit_with_the_fsdp2_cpu_profile_then_consolidate(tmp_path):
-    """`dit-lightning fit --config demo --config configs/hardware/fsdp-v2-cpu.yaml` trains on 2
-    processes, writes sharded checkpoint directories (periodic and last.ckpt), which
-    consolidate into a file the sampling tools read."""
-    from tests.test_cli import fit_args, run_cli
-
-    profile = str(ROOT / "configs" / "hardware" / "fsdp-v2-cpu.yaml")
-    args = fit_args(tmp_path, "fsdp", 4, ["--config", profile, "--trainer.callbacks=[]", "--checkpoint.every_n_train_steps", "2"])
-    proc = run_cli(args, tmp_path)
-    assert "FSDP2: sharded" in proc.stdout + proc.stderr
-    last = tmp_path / "fsdp" / "ckpt" / "last.ckpt"
-    assert is_sharded_checkpoint(last), sorted(p.name for p in (tmp_path / "fsdp" / "ckpt").iterdir())
-    obj = torch.load(consolidate(str(last), str(tmp_path / "dit.pt")), weights_only=True)
-    assert obj["args"]["global_step"] == 4
-    net = DiT(**{**obj["args"]["model_config"], "num_heads": obj["args"]["num_heads"]})
-    net.load_state_dict(obj["ema"], strict=True)
-    assert read_checkpoint(tmp_path / "dit.pt").ema.keys() == obj["ema"].keys()
 
 
 def test_consolidate_is_a_command_line_tool(runs, tmp_path):
