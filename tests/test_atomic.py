@@ -113,32 +113,33 @@ def _age(path, seconds: float) -> None:
 
 def test_remove_stale_temporaries_removes_only_old_temporary_files(tmp_path):
     names = {
-        ".last.ckpt.k3j2x9.tmp": 3600,  # a killed writer's temporary file, an hour old
-        ".shard_00001.npy.a8f0.tmp": 3600,
-        ".metrics.json.qq1z.tmp": 5,  # a write in flight right now (within the grace period)
+        ".last.ckpt.k3j2x9_a.tmp": 3600,  # a killed writer's temporary file, an hour old
+        ".shard_00001.npy.a8f0b1c2.tmp": 3600,
+        ".metrics.json.qq1zqq1z.tmp": 5,  # a write in flight right now (within the grace period)
         "last.ckpt": 3600,  # the files themselves
         "notes.tmp": 3600,  # not hidden: not ours
         ".hidden": 3600,  # no .tmp suffix: not ours
+        ".cache.tmp": 3600,  # hidden .tmp, but not a temporary name of ours (no 8-character random part)
     }
     for name, age in names.items():
         (tmp_path / name).write_bytes(b"x")
         _age(tmp_path / name, age)
     (tmp_path / ".dir.tmp").mkdir()  # a directory is never removed
     (tmp_path / "sub").mkdir()
-    nested = tmp_path / "sub" / ".sample.png.z1.tmp"
+    nested = tmp_path / "sub" / ".sample.png.z1z1z1z1.tmp"
     nested.write_bytes(b"x")
     _age(nested, 3600)
 
     removed = remove_stale_temporaries(tmp_path, older_than_s=60)
-    assert sorted(os.path.basename(p) for p in removed) == [".last.ckpt.k3j2x9.tmp", ".shard_00001.npy.a8f0.tmp"]
+    assert sorted(os.path.basename(p) for p in removed) == [".last.ckpt.k3j2x9_a.tmp", ".shard_00001.npy.a8f0b1c2.tmp"]
     left = set(names) - {os.path.basename(p) for p in removed} | {".dir.tmp", "sub"}
     assert sorted(os.listdir(tmp_path)) == sorted(left)
     assert nested.exists()  # not recursive by default
 
     assert remove_stale_temporaries(tmp_path, older_than_s=60, recursive=True) == [str(nested)]
-    assert not nested.exists() and (tmp_path / ".metrics.json.qq1z.tmp").exists()
+    assert not nested.exists() and (tmp_path / ".metrics.json.qq1zqq1z.tmp").exists()
     # without a grace period, the young one goes too
-    assert [os.path.basename(p) for p in remove_stale_temporaries(tmp_path)] == [".metrics.json.qq1z.tmp"]
+    assert [os.path.basename(p) for p in remove_stale_temporaries(tmp_path)] == [".metrics.json.qq1zqq1z.tmp"]
     assert remove_stale_temporaries(tmp_path / "missing") == []
 
 

@@ -122,7 +122,9 @@ def test_resuming_a_checkpoint_of_another_architecture_fails_clearly(tmp_path):
     t.save_checkpoint(tmp_path / "a.ckpt")
     other = DiTModule(**{**TINY, "hidden_size": 64})
     with pytest.raises(ValueError, match="the checkpoint being resumed holds another architecture"):
-        trainer(max_steps=2, default_root_dir=tmp_path).fit(other, DataLoader(DictDataset(), batch_size=8), ckpt_path=tmp_path / "a.ckpt")
+        trainer(max_steps=2, default_root_dir=tmp_path).fit(
+            other, DataLoader(DictDataset(), batch_size=8), ckpt_path=tmp_path / "a.ckpt"
+        )
 
 
 def test_compile_in_place_keeps_parameter_names_and_outputs():
@@ -153,8 +155,18 @@ def test_forced_attention_backend_matches_auto():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed with GradScaler needs a CUDA device")
 def test_16_mixed_with_grad_scaler_on_gpu():
     module = DiTModule(**TINY)
-    t = L.Trainer(max_steps=3, accelerator="gpu", devices=1, precision="16-mixed", gradient_clip_val=1.0, logger=False, enable_checkpointing=False)
+    t = L.Trainer(
+        max_steps=3,
+        accelerator="gpu",
+        devices=1,
+        precision="16-mixed",
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+    )
     t.fit(module, DataLoader(DictDataset(), batch_size=8))
     assert torch.isfinite(t.callback_metrics["train/loss"])
     assert t.precision_plugin.scaler is not None
-    assert not module.optimizers().optimizer.defaults.get("fused")  # fused + clipping + GradScaler is refused by Lightning
+    assert not module.optimizers().optimizer.defaults.get(
+        "fused"
+    )  # fused + clipping + GradScaler is refused by Lightning

@@ -17,7 +17,7 @@ Everything is counted from the architecture, tensor by tensor, in bytes per GPU:
 The peak is the maximum over the phases of a step (end of forward, each block of the
 backward pass, optimiser step), because activations are freed while gradients appear.
 Validated against allocator-level measurements of real CPU training steps
-(``tests/test_planner.py``, ``docs/planner.md``).
+(``tests/planner/test_memory.py``, ``docs/planner.md``).
 """
 
 from __future__ import annotations

@@ -44,7 +44,6 @@ def test_lightning_checkpoint_loads_weights_only_and_exports_to_reference_format
     assert read_checkpoint(raw_path).model.keys() == plain.state_dict().keys()
 
 
-
 def test_pruned_file_saves_and_loads_as_a_dit_of_its_new_shape(tmp_path):
     model = randomized()
     pruned = prune_mlp(prune_depth(model, [0, 2]), keep_ratio=0.5)
@@ -58,6 +57,13 @@ def test_pruned_file_saves_and_loads_as_a_dit_of_its_new_shape(tmp_path):
     assert torch.equal(loaded(x, t, y), pruned(x, t, y))
     # ... and DiTModule fine-tunes it through init_from, configured with the new shape.
     module = DiTModule(
-        model="custom", latent_shape=(4, 8, 8), num_classes=10, depth=2, hidden_size=32, num_heads=4, mlp_ratio=2.0, init_from=str(path)
+        model="custom",
+        latent_shape=(4, 8, 8),
+        num_classes=10,
+        depth=2,
+        hidden_size=32,
+        num_heads=4,
+        mlp_ratio=2.0,
+        init_from=str(path),
     ).eval()
     assert torch.equal(module.model(x, t, y), pruned(x, t, y))

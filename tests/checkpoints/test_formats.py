@@ -18,7 +18,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_reference_and_lightning_checkpoints(tmp_path):
     model, ema = random_dit(seed=0), random_dit(seed=1)
     ref = tmp_path / "ref.pt"
-    torch.save({"model": model.state_dict(), "ema": ema.state_dict(), "opt": {}, "args": {"model": "custom", "num_heads": 4}}, ref)
+    torch.save(
+        {"model": model.state_dict(), "ema": ema.state_dict(), "opt": {}, "args": {"model": "custom", "num_heads": 4}},
+        ref,
+    )
     y = torch.tensor([4, 2])
     for weights, net in (("ema", ema), ("raw", model)):
         got = load_model(str(ref), weights=weights)
@@ -26,8 +29,9 @@ def test_reference_and_lightning_checkpoints(tmp_path):
         torch.testing.assert_close(sample_latents(got.net, y, num_steps=3), sample_latents(net, y, num_steps=3))
     # Lightning: heads (4, not hidden/64 = 1) and diffusion settings come from the hyper-parameters
     sd = {f"model.{k}": v for k, v in model.state_dict().items()} | {f"ema.{k}": v for k, v in ema.state_dict().items()}
-    hp = {"model": "custom", "num_heads": 4, "latent_shape": (4, 8, 8), "eval_weights": "ema", "noise_schedule": "linear",
-          "diffusion_steps": 1000, "vae": "none/pixels", "sample_steps": 5, "sampler": "ddim", "cfg_scale": 2.0, "guide_channels": None}  # fmt: skip
+    hp = {"model": "custom", "num_heads": 4, "latent_shape": (4, 8, 8), "eval_weights": "ema",
+          "noise_schedule": "linear", "diffusion_steps": 1000, "vae": "none/pixels", "sample_steps": 5,
+          "sampler": "ddim", "cfg_scale": 2.0, "guide_channels": None}  # fmt: skip
     light = tmp_path / "last.ckpt"
     torch.save({"state_dict": sd, "hyper_parameters": hp}, light)
     got = load_model(str(light))
@@ -36,7 +40,6 @@ def test_reference_and_lightning_checkpoints(tmp_path):
     torch.testing.assert_close(sample_latents(got.net, y, num_steps=3), sample_latents(ema, y, num_steps=3))
     with pytest.raises(ValueError, match="need a VAE"):  # 4-channel latents cannot be shown as pixels
         sample(str(ref), str(tmp_path / "o"), labels=[1], vae="none/pixels", **FAST)
-
 
 
 def test_read_checkpoint_refuses_non_dit_and_truncated_files(tmp_path):

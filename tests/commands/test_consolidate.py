@@ -17,7 +17,9 @@ def test_cli_fit_with_the_fsdp2_cpu_profile_then_consolidate(tmp_path):
     from tests.helpers.cli import fit_args, run_cli
 
     profile = str(ROOT / "configs" / "hardware" / "fsdp-v2-cpu.yaml")
-    args = fit_args(tmp_path, "fsdp", 4, ["--config", profile, "--trainer.callbacks=[]", "--checkpoint.every_n_train_steps", "2"])
+    args = fit_args(
+        tmp_path, "fsdp", 4, ["--config", profile, "--trainer.callbacks=[]", "--checkpoint.every_n_train_steps", "2"]
+    )
     proc = run_cli(args, tmp_path)
     assert "FSDP2: sharded" in proc.stdout + proc.stderr
     last = tmp_path / "fsdp" / "ckpt" / "last.ckpt"

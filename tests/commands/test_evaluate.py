@@ -22,7 +22,8 @@ def test_evaluate_samples_then_measures_against_a_store(tmp_path):
     ckpt = tmp_path / "raw.pt"
     torch.save(net.state_dict(), ckpt)
     out = evaluate(
-        str(ckpt), str(tmp_path / "eval"), reference=store, num_samples=12, metrics=["fid", "digits"], feature_extractor=TinyFeatures(),
+        str(ckpt), str(tmp_path / "eval"), reference=store, num_samples=12, metrics=["fid", "digits"],
+        feature_extractor=TinyFeatures(),
         cache_dir=str(tmp_path / "cache"), labels="0-9", num_steps=4, device="cpu", progress=False, max_reference=200,
     )  # fmt: skip
     assert out["num_samples"] == 12 and out["num_reference"] == 200 and out["fid"] > 0

@@ -20,7 +20,15 @@ def test_prune_tool_with_calibration(tmp_path):
     store = prepare_digits(str(tmp_path / "digits"))
     model = randomized(in_channels=1)
     src = save_pruned(model, tmp_path / "full.pt", ema=model, extra_args={"num_heads": 4})
-    out = prune(src, str(tmp_path / "small.pt"), depth=2, mlp_ratio=1.0, calibration=store, calibration_size=16, calibration_draws=1)
+    out = prune(
+        src,
+        str(tmp_path / "small.pt"),
+        depth=2,
+        mlp_ratio=1.0,
+        calibration=store,
+        calibration_size=16,
+        calibration_draws=1,
+    )
     ckpt = read_checkpoint(out)
     report = ckpt.args["pruning"]
     assert len(report["block_importance"]) == 3 and len(report["kept_blocks"]) == 2
@@ -37,7 +45,14 @@ def test_head_pruned_file_fine_tunes_through_init_from(tmp_path):
     assert (small.num_heads, small.blocks[0].attn.head_dim) == (2, 8)
     assert sum(p.numel() for p in small.parameters()) == dit_params(DiTShape.of(small))
     module = DiTModule(
-        model="custom", latent_shape=(4, 8, 8), num_classes=10, depth=3, hidden_size=32, num_heads=2, attn_dim=16, init_from=out
+        model="custom",
+        latent_shape=(4, 8, 8),
+        num_classes=10,
+        depth=3,
+        hidden_size=32,
+        num_heads=2,
+        attn_dim=16,
+        init_from=out,
     ).eval()
     x, t, y = inputs()
     assert torch.equal(module.model(x, t, y), small(x, t, y))

@@ -85,8 +85,16 @@ def build(data: str, seed: int = 0, optimizer: str = "adamw") -> tuple[DiTModule
     return module, dm
 
 
-def trainer(out: Path, name: str, strategy: Any = "auto", devices: int = 1, num_nodes: int = 1, callbacks=(),
-            accelerator: str = "cpu", **kw) -> L.Trainer:
+def trainer(
+    out: Path,
+    name: str,
+    strategy: Any = "auto",
+    devices: int = 1,
+    num_nodes: int = 1,
+    callbacks=(),
+    accelerator: str = "cpu",
+    **kw,
+) -> L.Trainer:
     return L.Trainer(
         accelerator=accelerator,
         devices=devices,
@@ -127,7 +135,9 @@ def dump(trainer_: L.Trainer, module: DiTModule, out: Path, name: str, **facts: 
     # sampling from the (sharded) EMA is a collective too: with and without guidance
     state["samples"] = torch.cat([module.sample([1, 2], num_steps=2, cfg_scale=c, seed=0) for c in (1.0, 2.0)]).cpu()
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.model.parameters())
-    facts.setdefault("ema_local_numel", sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.ema.parameters()))
+    facts.setdefault(
+        "ema_local_numel", sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.ema.parameters())
+    )
     full = sum(v.numel() for v in state["model"].values())
     if trainer_.global_rank == 0:
         state.update(
@@ -149,8 +159,15 @@ def run_ddp(args: argparse.Namespace, name: str = "ddp", accumulate: int = 1, st
     t = trainer(args.out, name, strategy, args.devices, args.num_nodes, accumulate_grad_batches=accumulate)
     t.fit(module, dm)
     generation = test_generation(t, module, dm) if name == "ddp" else None
-    dump(t, module, args.out, name, static_graph=t.strategy._ddp_kwargs["static_graph"], micro_batch=dm.micro_batch_size,
-         generation=generation)
+    dump(
+        t,
+        module,
+        args.out,
+        name,
+        static_graph=t.strategy._ddp_kwargs["static_graph"],
+        micro_batch=dm.micro_batch_size,
+        generation=generation,
+    )
 
 
 def run_ddp_accum(args: argparse.Namespace) -> None:
@@ -158,20 +175,36 @@ def run_ddp_accum(args: argparse.Namespace) -> None:
     run_ddp(args, "ddp_accum", accumulate=2, static_graph=True)
 
 
-def _fsdp2(args: argparse.Namespace, name: str, ckpt_path: Optional[str] = None, clip: Optional[float] = None,
-           save_every: Optional[int] = None, **options: Any) -> None:
+def _fsdp2(
+    args: argparse.Namespace,
+    name: str,
+    ckpt_path: Optional[str] = None,
+    clip: Optional[float] = None,
+    save_every: Optional[int] = None,
+    **options: Any,
+) -> None:
     module, dm = build(args.data, optimizer="sgd" if clip else "adamw")
     strategy = DiTFSDP2Strategy(process_group_backend="gloo", **options)
     callbacks = []
     if save_every:
-        callbacks.append(ModelCheckpoint(dirpath=str(args.out / name / "ckpt"), every_n_train_steps=save_every, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=str(args.out / name / "ckpt"), every_n_train_steps=save_every, save_top_k=-1)
+        )
     kw = {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm"} if clip else {}
     t = trainer(args.out, name, strategy, args.devices, args.num_nodes, callbacks=callbacks, **kw)
     t.fit(module, dm, ckpt_path=ckpt_path)
     generation = test_generation(t, module, dm) if name == "fsdp2" else None  # sampling is a collective here
     p = next(module.model.parameters())
-    dump(t, module, args.out, name, param_dtype=str(p.dtype), placements=str(getattr(p, "placements", None)),
-         mesh=str(getattr(p, "device_mesh", None)), generation=generation)
+    dump(
+        t,
+        module,
+        args.out,
+        name,
+        param_dtype=str(p.dtype),
+        placements=str(getattr(p, "placements", None)),
+        mesh=str(getattr(p, "device_mesh", None)),
+        generation=generation,
+    )
 
 
 def run_fsdp2(args: argparse.Namespace) -> None:
@@ -195,8 +228,14 @@ def run_hsdp(args: argparse.Namespace) -> None:
     _fsdp2(args, "hsdp", hybrid_shard_size=1)  # 2 replicas of a 1-rank shard group
 
 
-def _fsdp1(args: argparse.Namespace, name: str, ckpt_path: Optional[str] = None, clip: Optional[float] = None,
-           save_every: Optional[int] = None, **options: Any) -> None:
+def _fsdp1(
+    args: argparse.Namespace,
+    name: str,
+    ckpt_path: Optional[str] = None,
+    clip: Optional[float] = None,
+    save_every: Optional[int] = None,
+    **options: Any,
+) -> None:
     """FSDP1 (Lightning's FSDPStrategy): GPU only."""
     from dit_lightning.distributed import DiTFSDPStrategy
 
@@ -204,7 +243,9 @@ def _fsdp1(args: argparse.Namespace, name: str, ckpt_path: Optional[str] = None,
     strategy = DiTFSDPStrategy(**options)
     callbacks = []
     if save_every:
-        callbacks.append(ModelCheckpoint(dirpath=str(args.out / name / "ckpt"), every_n_train_steps=save_every, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=str(args.out / name / "ckpt"), every_n_train_steps=save_every, save_top_k=-1)
+        )
     kw = {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm"} if clip else {}
     t = trainer(args.out, name, strategy, args.devices, args.num_nodes, callbacks=callbacks, accelerator="gpu", **kw)
     t.fit(module, dm, ckpt_path=ckpt_path)
@@ -238,7 +279,9 @@ CPU_RUNS = ",".join(RUNS)
 RUNS.update(GPU_RUNS)
 
 
-def reference(data: str, out: Path, name: str = "single", clip: Optional[float] = None, accelerator: str = "cpu") -> tuple[DiTModule, L.Trainer]:
+def reference(
+    data: str, out: Path, name: str = "single", clip: Optional[float] = None, accelerator: str = "cpu"
+) -> tuple[DiTModule, L.Trainer]:
     """The same training in one process with the whole global batch (micro-batch 16)."""
     module, dm = build(data, optimizer="sgd" if clip else "adamw")
     kw = {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm"} if clip else {}
@@ -259,7 +302,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     torch.set_num_threads(1)
     for name in args.runs.split(","):
         RUNS[name](args)
-    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0 and int(os.environ.get("NODE_RANK", "0") or 0) == 0:
+    if (
+        int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0
+        and int(os.environ.get("NODE_RANK", "0") or 0) == 0
+    ):
         (args.out / "done").write_text(args.runs)
 
 

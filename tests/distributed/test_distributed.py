@@ -32,7 +32,9 @@ ATOL = 1e-6  # float32 reduction-order differences after 4 steps are ~3e-8; the 
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT")
+    }
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return env
 
@@ -50,7 +52,7 @@ def _wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], deadline: f
         except subprocess.TimeoutExpired:
             for p in procs.values():
                 p.kill()
-            raise AssertionError(f"{name} timed out\n{logs[name].read_text()[-4000:]}")
+            raise AssertionError(f"{name} timed out\n{logs[name].read_text()[-4000:]}") from None
         if rc != 0:
             for p in procs.values():
                 if p.poll() is None:
@@ -64,7 +66,9 @@ def _state(module, samples: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         "ema": {k: v.detach().cpu().clone() for k, v in module.ema.state_dict().items()},
     }
     if samples:
-        state["samples"] = torch.cat([module.sample([1, 2], num_steps=2, cfg_scale=c, seed=0) for c in (1.0, 2.0)]).cpu()
+        state["samples"] = torch.cat(
+            [module.sample([1, 2], num_steps=2, cfg_scale=c, seed=0) for c in (1.0, 2.0)]
+        ).cpu()
     return state
 
 
@@ -77,17 +81,43 @@ def runs(store, tmp_path_factory):
     procs = {
         "2 processes": subprocess.Popen(
             [sys.executable, SCRIPT, "--data", store, "--out", str(out), "--devices", "2"],
-            cwd=base, env=env, stdout=open(logs["2 processes"], "w"), stderr=subprocess.STDOUT,
+            cwd=base,
+            env=env,
+            stdout=open(logs["2 processes"], "w"),
+            stderr=subprocess.STDOUT,
         )
     }
     port = _free_port()
     for node in (0, 1):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-            "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-            SCRIPT, "--data", store, "--out", str(multi), "--devices", "1", "--num-nodes", "2", "--runs", "ddp",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            SCRIPT,
+            "--data",
+            store,
+            "--out",
+            str(multi),
+            "--devices",
+            "1",
+            "--num-nodes",
+            "2",
+            "--runs",
+            "ddp",
         ]
-        procs[f"node {node}"] = subprocess.Popen(cmd, cwd=base, env=env, stdout=open(logs[f"node {node}"], "w"), stderr=subprocess.STDOUT)
+        procs[f"node {node}"] = subprocess.Popen(
+            cmd, cwd=base, env=env, stdout=open(logs[f"node {node}"], "w"), stderr=subprocess.STDOUT
+        )
     deadline = time.monotonic() + TIMEOUT
     try:
         # Meanwhile, the references: one process, micro-batch = the global batch of 16.
@@ -118,7 +148,9 @@ def assert_same_weights(got, want, atol=ATOL):
     for part in ("model", "ema"):
         assert got[part].keys() == want[part].keys()
         for k in want[part]:
-            torch.testing.assert_close(got[part][k], want[part][k], rtol=0, atol=atol, msg=lambda m: f"{part}.{k}: {m}")
+            torch.testing.assert_close(
+                got[part][k], want[part][k], rtol=0, atol=atol, msg=lambda m, part=part, k=k: f"{part}.{k}: {m}"
+            )
 
 
 def max_diff(a, b, part="model"):
@@ -129,7 +161,12 @@ def assert_same_logs(got, want, atol=1e-5, keys=("train/loss", "train/grad_norm"
     for key in keys:
         assert got[key].keys() == want[key].keys(), key
         for step in want[key]:
-            assert abs(got[key][step] - want[key][step]) <= atol * max(1.0, abs(want[key][step])), (key, step, got[key], want[key])
+            assert abs(got[key][step] - want[key][step]) <= atol * max(1.0, abs(want[key][step])), (
+                key,
+                step,
+                got[key],
+                want[key],
+            )
 
 
 # ---- DDP -------------------------------------------------------------------------------
@@ -137,7 +174,9 @@ def assert_same_logs(got, want, atol=1e-5, keys=("train/loss", "train/grad_norm"
 
 def test_ddp_two_ranks_equal_one_process_with_the_doubled_micro_batch(runs):
     ddp = runs["ddp"]
-    assert ddp["world_size"] == 2 and ddp["micro_batch"] == parity.GLOBAL_BATCH // 2 and ddp["global_step"] == parity.STEPS
+    assert (
+        ddp["world_size"] == 2 and ddp["micro_batch"] == parity.GLOBAL_BATCH // 2 and ddp["global_step"] == parity.STEPS
+    )
     assert max_diff(runs["ref"], runs["init"]) > 1e-3  # training moved the weights...
     assert_same_weights(ddp, runs["ref"])  # ...exactly as one process did (model and EMA)
     assert_same_logs(ddp["logged"], runs["ref"]["logged"])  # loss reduced over ranks, global grad norm
@@ -221,7 +260,9 @@ def test_fsdp2_sharded_resume_equals_the_uninterrupted_run(runs):
     assert resumed["global_step"] == parity.STEPS
     assert sorted(resumed["logged"]["train/loss"]) == list(range(parity.CKPT_STEP, parity.STEPS))
     assert_same_weights(resumed, full, atol=1e-7)
-    assert_same_logs(resumed["logged"], {k: {s: v for s, v in d.items() if s >= parity.CKPT_STEP} for k, d in full["logged"].items()})
+    assert_same_logs(
+        resumed["logged"], {k: {s: v for s, v in d.items() if s >= parity.CKPT_STEP} for k, d in full["logged"].items()}
+    )
 
 
 def test_fsdp2_gradient_clipping_by_norm(runs):
@@ -230,8 +271,9 @@ def test_fsdp2_gradient_clipping_by_norm(runs):
     assert_same_weights(clip, ref)
     # SGD (lr 0.5) steps of gradient norm <= CLIP: the weights moved by at most 4 * 0.5 * CLIP
     # in L2 norm (unclipped, with gradient norms ~1.5, they would move ~30x more)
-    moved = torch.linalg.vector_norm(torch.stack([
-        torch.linalg.vector_norm(clip["model"][k] - runs["init_sgd"]["model"][k]) for k in clip["model"]]))
+    moved = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(clip["model"][k] - runs["init_sgd"]["model"][k]) for k in clip["model"]])
+    )
     assert 0.5 * parity.CLIP < moved <= parity.STEPS * 0.5 * parity.CLIP + 1e-6, moved
 
 
@@ -241,7 +283,9 @@ def test_fsdp2_mixed_precision_bf16_compute_fp32_reduce(runs):
     diff = max_diff(bf16, runs["ref"])
     assert 1e-6 < diff < 5e-3, diff  # bf16 compute: close to, not equal to, the fp32 run
     losses = bf16["logged"]["train/loss"]
-    assert len(losses) == parity.STEPS and all(abs(losses[s] - runs["ref"]["logged"]["train/loss"][s]) < 1e-2 for s in losses)
+    assert len(losses) == parity.STEPS and all(
+        abs(losses[s] - runs["ref"]["logged"]["train/loss"][s]) < 1e-2 for s in losses
+    )
 
 
 def test_hsdp_replicate_across_groups(runs):
@@ -302,9 +346,23 @@ def test_fsdp1_on_gpus_matches_one_gpu_and_resumes(store, tmp_path):
     out = tmp_path / "fsdp1"
     log = tmp_path / "fsdp1.log"
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--data", store, "--out", str(out), "--devices", str(devices),
-         "--runs", "fsdp1,fsdp1_resume,fsdp1_clip"],
-        cwd=tmp_path, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT, timeout=TIMEOUT,
+        [
+            sys.executable,
+            SCRIPT,
+            "--data",
+            store,
+            "--out",
+            str(out),
+            "--devices",
+            str(devices),
+            "--runs",
+            "fsdp1,fsdp1_resume,fsdp1_clip",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        timeout=TIMEOUT,
     )
     assert proc.returncode == 0, log.read_text()[-6000:]
     ref_module, _ = parity.reference(store, tmp_path / "ref", accelerator="gpu")
@@ -329,5 +387,9 @@ def test_consolidate_is_a_command_line_tool(runs, tmp_path):
     from jsonargparse import CLI
 
     ckpt = runs["out"] / "fsdp2" / "ckpt" / f"epoch=0-step={parity.STEPS}.ckpt"
-    CLI(consolidate, args=["--checkpoint", str(ckpt), "--output", str(tmp_path / "x" / "dit.pt"), "--format", "raw"], as_positional=False)
+    CLI(
+        consolidate,
+        args=["--checkpoint", str(ckpt), "--output", str(tmp_path / "x" / "dit.pt"), "--format", "raw"],
+        as_positional=False,
+    )
     assert torch.load(tmp_path / "x" / "dit.pt", weights_only=True).keys() == runs["ref"]["ema"].keys()

@@ -27,7 +27,13 @@ def smooth_images(n=80, size=16, seed=0):
     """uint8 (n, size, size, 3): random low-frequency colour patterns."""
     g = torch.Generator().manual_seed(seed)
     low = torch.rand(n, 3, 4, 4, generator=g)
-    return (F.interpolate(low, size=size, mode="bilinear", align_corners=False) * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    return (
+        (F.interpolate(low, size=size, mode="bilinear", align_corners=False) * 255)
+        .round()
+        .byte()
+        .permute(0, 2, 3, 1)
+        .numpy()
+    )
 
 
 def write_folder(path, images):
@@ -48,19 +54,27 @@ def test_fid_against_itself_is_zero_and_grows_with_noise(tmp_path):
     images = smooth_images()
     real = write_folder(tmp_path / "real", images)
     ext = TinyFeatures()
-    same = compute_metrics(write_npz(tmp_path / "same.npz", images), real, feature_extractor=ext, cache_dir=tmp_path / "c")
+    same = compute_metrics(
+        write_npz(tmp_path / "same.npz", images), real, feature_extractor=ext, cache_dir=tmp_path / "c"
+    )
     assert same["num_samples"] == same["num_reference"] == 80
     assert abs(same["fid"]) < 1e-4
     rng = np.random.default_rng(0)
     fids = []
     for sigma in (10, 40, 120):
         noisy = np.clip(images + rng.normal(0, sigma, images.shape), 0, 255).astype(np.uint8)
-        fids.append(compute_metrics(write_npz(tmp_path / f"n{sigma}.npz", noisy), real, feature_extractor=ext, cache_dir=tmp_path / "c")["fid"])
+        fids.append(
+            compute_metrics(
+                write_npz(tmp_path / f"n{sigma}.npz", noisy), real, feature_extractor=ext, cache_dir=tmp_path / "c"
+            )["fid"]
+        )
     assert 1e-3 < fids[0] < fids[1] < fids[2]
     # torchmetrics' FID (fed our cached reference statistics) agrees with a direct computation
     f_real = extract_features(ext, image_batches(real)).astype(np.float64)
     f_fake = extract_features(ext, image_batches(tmp_path / "n120.npz")).astype(np.float64)
-    direct = frechet_distance(f_fake.mean(0), np.cov(f_fake, rowvar=False), f_real.mean(0), np.cov(f_real, rowvar=False))
+    direct = frechet_distance(
+        f_fake.mean(0), np.cov(f_fake, rowvar=False), f_real.mean(0), np.cov(f_real, rowvar=False)
+    )
     assert fids[2] == pytest.approx(direct, rel=1e-4)
 
 
@@ -91,13 +105,22 @@ def test_precomputed_mu_sigma_files_are_used_as_they_are(tmp_path):
     adm_style = tmp_path / "VIRTUAL_ref.npz"
     np.savez(adm_style, mu=stats.mu, sigma=stats.sigma)  # ADM reference batches: mu, sigma (no count)
     assert FeatureStats.load(adm_style).num_samples == 50_000
-    assert compute_metrics(fake, adm_style, feature_extractor=ext, cache_dir=None)["fid"] == pytest.approx(from_images, rel=1e-6)
+    assert compute_metrics(fake, adm_style, feature_extractor=ext, cache_dir=None)["fid"] == pytest.approx(
+        from_images, rel=1e-6
+    )
 
 
 def test_kid_with_a_custom_extractor_and_is_needs_inception(tmp_path):
     real = write_folder(tmp_path / "real", smooth_images(60))
     fake = write_npz(tmp_path / "fake.npz", smooth_images(60, seed=2))
-    out = compute_metrics(fake, real, metrics=["fid", "kid"], feature_extractor=TinyFeatures(), cache_dir=tmp_path / "c", kid_subset_size=20)
+    out = compute_metrics(
+        fake,
+        real,
+        metrics=["fid", "kid"],
+        feature_extractor=TinyFeatures(),
+        cache_dir=tmp_path / "c",
+        kid_subset_size=20,
+    )
     assert np.isfinite(out["kid"]) and out["kid_std"] >= 0 and out["fid"] > 0
     with pytest.raises(ValueError, match="logits"):
         compute_metrics(fake, metrics=["is"], feature_extractor=TinyFeatures())
@@ -111,7 +134,13 @@ def test_missing_inception_weights_say_how_to_get_them(tmp_path, monkeypatch):
     with pytest.raises(InceptionWeightsMissing) as e:
         find_inception_weights()
     msg = str(e.value)
-    for needle in (INCEPTION_WEIGHTS_URL, "weights-inception-2015-12-05-6726825d.pth", "pt_inception-2015-12-05-6726825d.pth", "--inception_weights", "DIT_INCEPTION_WEIGHTS"):
+    for needle in (
+        INCEPTION_WEIGHTS_URL,
+        "weights-inception-2015-12-05-6726825d.pth",
+        "pt_inception-2015-12-05-6726825d.pth",
+        "--inception_weights",
+        "DIT_INCEPTION_WEIGHTS",
+    ):
         assert needle in msg
     with pytest.raises(InceptionWeightsMissing, match="does not exist"):
         find_inception_weights(str(tmp_path / "nope.pth"))

@@ -63,9 +63,7 @@ def make_image_folder(root: str, with_bad: bool = True, seed: int = 0) -> dict[s
             kinds[f"{cls}/cmyk.JPEG"] = "converted"
             rand_rgb(36, 36).convert("L").save(os.path.join(d, "gray.JPEG"), format="JPEG")
             kinds[f"{cls}/gray.JPEG"] = "converted"
-            Image.fromarray(rng.integers(0, 256, (9, 12, 3), dtype=np.uint8)).save(
-                os.path.join(d, "tiny.png")
-            )
+            Image.fromarray(rng.integers(0, 256, (9, 12, 3), dtype=np.uint8)).save(os.path.join(d, "tiny.png"))
             kinds[f"{cls}/tiny.png"] = "converted"
         else:
             rgba = np.array(rand_rgb(40, 40).convert("RGBA"))

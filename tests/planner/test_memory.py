@@ -24,11 +24,21 @@ def _measured_and_planned(latent=16, batch=8, ckpt="none", attention="auto", pre
         attention_backend="math" if attention == "math" else "auto",
         **kw,
     )
-    batch_ = {"x": torch.randn(batch, 4, latent, latent), "y": torch.randint(0, kw["num_classes"], (batch,)), "index": torch.arange(batch)}
+    batch_ = {
+        "x": torch.randn(batch, 4, latent, latent),
+        "y": torch.randint(0, kw["num_classes"], (batch,)),
+        "index": torch.arange(batch),
+    }
     measured = measure_cpu_step_peak(TrainingStep(module, batch_, precision))
     planned = plan_memory(
-        "custom", latent_size=latent, micro_batch=batch, precision=precision, activation_checkpointing=ckpt,
-        attention=attention, device="cpu", **kw,
+        "custom",
+        latent_size=latent,
+        micro_batch=batch,
+        precision=precision,
+        activation_checkpointing=ckpt,
+        attention=attention,
+        device="cpu",
+        **kw,
     )
     return measured, planned
 
@@ -46,7 +56,11 @@ def _measured_and_planned(latent=16, batch=8, ckpt="none", attention="auto", pre
 )
 def test_prediction_matches_measured_peak_of_a_real_step(case):
     measured, planned = _measured_and_planned(**case)
-    assert planned.peak_allocated == pytest.approx(measured, rel=0.15), (planned.peak_phase, measured, planned.peak_allocated)
+    assert planned.peak_allocated == pytest.approx(measured, rel=0.15), (
+        planned.peak_phase,
+        measured,
+        planned.peak_allocated,
+    )
 
 
 def test_block_activation_terms_are_the_tensors_autograd_saves():
@@ -54,7 +68,11 @@ def test_block_activation_terms_are_the_tensors_autograd_saves():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model = build_dit("custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10)
-    block, shape, n = model.blocks[0], shape_of("custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10), 2
+    block, shape, n = (
+        model.blocks[0],
+        shape_of("custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10),
+        2,
+    )
     param_ptrs = {p.untyped_storage().data_ptr() for p in block.parameters()}
     for attention, amp in [("flash", None), ("math", None), ("flash", torch.bfloat16)]:
         x = torch.randn(n, shape.tokens, 64, requires_grad=True)
@@ -62,7 +80,7 @@ def test_block_activation_terms_are_the_tensors_autograd_saves():
         saved: dict[int, int] = {}
         weights16 = 0
 
-        def pack(t):
+        def pack(t, saved=saved):
             storage = t.untyped_storage()
             if storage.data_ptr() not in param_ptrs:
                 saved[storage.data_ptr()] = storage.nbytes()
@@ -135,7 +153,6 @@ def test_fsdp_shards_the_static_state_by_the_world_size():
     ddp = plan_memory("DiT-XL/2", micro_batch=8, world_size=8)
     assert ddp.static == one.static  # DDP replicates
     assert ddp.communication_buffers == 4 * param_counts(shape_of("DiT-XL/2"))["trainable"]  # bucket copy
-
 
 
 def test_state_per_device_shards_as_documented():

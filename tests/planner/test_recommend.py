@@ -9,11 +9,19 @@ from dit_lightning.planner import plan_memory, recommend
 def test_fit_picks_the_minimum_number_of_checkpointed_blocks_and_is_monotonic():
     ks = []
     for gib in (17, 18, 20, 22, 24, 28, 32, 48):
-        rec = recommend("DiT-XL/2", gpu="a100-80gb", memory_gib=gib, micro_batch=32, precision="bf16-mixed", global_batch=256)
+        rec = recommend(
+            "DiT-XL/2", gpu="a100-80gb", memory_gib=gib, micro_batch=32, precision="bf16-mixed", global_batch=256
+        )
         assert rec.feasible
         k = rec.checkpointed_blocks
         ks.append(k)
-        kw = dict(micro_batch=32, precision="bf16-mixed", memory_gib=gib, accumulate_grad_batches=8, ddp_gradient_as_bucket_view=True)
+        kw = dict(
+            micro_batch=32,
+            precision="bf16-mixed",
+            memory_gib=gib,
+            accumulate_grad_batches=8,
+            ddp_gradient_as_bucket_view=True,
+        )
         assert plan_memory("DiT-XL/2", activation_checkpointing=k, **kw).fits
         if k > 0:  # one block fewer does not fit: the minimum
             assert not plan_memory("DiT-XL/2", activation_checkpointing=k - 1, **kw).fits

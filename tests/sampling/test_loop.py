@@ -18,7 +18,9 @@ def test_ddim_eta0_matches_the_diffusion_loop_and_is_deterministic():
     b = sample_latents(net, y, sampler="ddim", num_steps=8, cfg_scale=2.0, seed=5)
     assert torch.equal(a, b)
     z = initial_noise(torch.arange(3), (4, 8, 8), 5)
-    ref = build_sampling_diffusion("ddim", 8).ddim_sample_loop(guided_model_fn(net, 2.0), z.shape, noise=z, model_kwargs={"y": y})
+    ref = build_sampling_diffusion("ddim", 8).ddim_sample_loop(
+        guided_model_fn(net, 2.0), z.shape, noise=z, model_kwargs={"y": y}
+    )
     torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-5)
     # eta > 0 draws keyed noise: deterministic per seed, different from eta 0
     c = sample_latents(net, y, sampler="ddim", num_steps=8, eta=1.0, seed=5)
@@ -33,7 +35,9 @@ def test_ddpm_step_matches_the_diffusion_p_sample_loop():
     z = torch.randn(2, 4, 8, 8, generator=g)
     ours = sample_latents(net, y, num_steps=7, noise=z, noise_fn=lambda step, x: torch.randn(x.shape, generator=g))
     g = torch.Generator().manual_seed(3)
-    ref = build_sampling_diffusion("ddpm", 7).p_sample_loop(net.forward, (2, 4, 8, 8), model_kwargs={"y": y}, generator=g)
+    ref = build_sampling_diffusion("ddpm", 7).p_sample_loop(
+        net.forward, (2, 4, 8, 8), model_kwargs={"y": y}, generator=g
+    )
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -76,7 +80,6 @@ def test_bf16_autocast_runs_and_stays_close():
 # --------------------------------------------------------------------------------------
 # Pixel stores: x_0 estimates clamped to [-1, 1]
 # --------------------------------------------------------------------------------------
-
 
 
 def _noisy_oracle(data, schedule, error, seen):
