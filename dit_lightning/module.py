@@ -7,7 +7,7 @@ import copy
 import logging
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import lightning as L
 import torch
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .checkpoints import check_dit_weights, load_dit_weights, read_checkpoint, strip_prefix
 from .diffusion import create_diffusion
+from .diffusion.gaussian_diffusion import ModelFn
 from .distributed.ops import clip_gradients, ema_update_, grad_norm
 from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
@@ -24,6 +25,9 @@ from .models.dit import CheckpointSpec
 from .precision import is_fp16
 from .sampling import Sampler, sample_latents
 from .vae import DEFAULT_SCALE_FACTOR, clip_denoised_for, decode_latents, is_pixel_space, load_vae
+
+if TYPE_CHECKING:
+    from lightning.pytorch.utilities.parsing import AttributeDict
 
 log = logging.getLogger(__name__)
 # The EMA copy is in eval mode on purpose (it is never trained); Lightning warns about it.
@@ -139,6 +143,12 @@ class DiTModule(L.LightningModule):
                 load_dit_weights(self.ema, initial.ema, source=f"EMA weights of '{init_from}'")
         self._decoder_cache: dict[str, nn.Module] = {}  # a plain dict: keeps the VAE out of the state dict
 
+    if TYPE_CHECKING:
+
+        @property
+        def hparams(self) -> AttributeDict:
+            """The ``__init__`` arguments saved by ``save_hyperparameters`` (always an ``AttributeDict`` here)."""
+
     # ---- weights ----------------------------------------------------------------------
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Refuse a checkpoint of another architecture with a message that says which one it
@@ -218,7 +228,7 @@ class DiTModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- the training objective -----------------------------------------------------------
-    def _attention_context(self):
+    def _attention_context(self) -> contextlib.AbstractContextManager[Any]:
         backend = self.hparams.attention_backend
         if backend == "auto":
             return contextlib.nullcontext()
@@ -232,7 +242,7 @@ class DiTModule(L.LightningModule):
         }
         return sdpa_kernel(kinds[backend])
 
-    def diffusion_loss(self, net: nn.Module, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
+    def diffusion_loss(self, net: ModelFn, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
         """Per-batch mean of the hybrid loss with timesteps, noise and label dropout keyed on
         (seed, step, sample index): independent of process layout, resumable bit-for-bit."""
         x, y, index = batch["x"], batch["y"], batch["index"]
@@ -269,7 +279,8 @@ class DiTModule(L.LightningModule):
         return self._eval_step(batch, "test")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        every = self.trainer.log_every_n_steps if self._trainer is not None else 1
+        # Lightning's connectors set Trainer.log_every_n_steps at run time; the class does not declare it.
+        every = self.trainer.log_every_n_steps if self._trainer is not None else 1  # type: ignore[attr-defined]
         if self.global_step % max(1, every) == 0:
             norm = grad_norm(self.model.parameters(), self._trainer.strategy if self._trainer is not None else None)
             if norm is not None:
@@ -367,6 +378,7 @@ class DiTModule(L.LightningModule):
             self._decoder_cache[name] = load_vae(name)
         vae = self._decoder_cache[name].to(latents.device)
         if scale_factor is None:
-            data = self._trainer.datamodule if self._trainer is not None else None
+            # Trainer.datamodule: set by Lightning's data connector, not declared on the class.
+            data = self._trainer.datamodule if self._trainer is not None else None  # type: ignore[attr-defined]
             scale_factor = getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
         return decode_latents(latents, vae, scale_factor)

@@ -456,7 +456,7 @@ def plan_memory(
     phases["optimizer step"] = dict(gradients=grads_full, weights16=0, activations=0, temporaries=opt_tmp, working=0)
 
     totals = {name: base + sum(v.values()) for name, v in phases.items()}
-    peak_name = max(totals, key=totals.get)
+    peak_name = max(totals, key=totals.__getitem__)
     at = phases[peak_name]
     peak = totals[peak_name]
 
