@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,8 +61,8 @@ def _wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], deadline: f
             raise AssertionError(f"{name} exited with {rc}\n{logs[name].read_text()[-6000:]}")
 
 
-def _state(module, samples: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-    state = {
+def _state(module, samples: bool = False) -> dict[str, Any]:
+    state: dict[str, Any] = {
         "model": {k: v.detach().cpu().clone() for k, v in module.model.state_dict().items()},
         "ema": {k: v.detach().cpu().clone() for k, v in module.ema.state_dict().items()},
     }
@@ -218,6 +219,7 @@ def _digits_of_keyed_samples(store: str, ema: dict[str, torch.Tensor]) -> dict:
     from dit_lightning.sampling import parse_labels
 
     module, _ = parity.build(store)
+    assert module.ema is not None
     module.ema.load_state_dict(ema)
     labels = parse_labels("0-9", 10)(np.arange(parity.GENERATED))
     images = to_uint8(module.decode(module.sample(labels, indices=torch.arange(parity.GENERATED), seed=0)))
