@@ -181,9 +181,9 @@ def main() -> None:
         )
     base = rows[0]["samples_per_s"]
     base_cpu = rows[0]["cpu_us_per_sample"]
-    for r in rows:
-        r["speedup"] = f"{r['samples_per_s'] / base:.2f}x"
-        r["cpu_speedup"] = f"{base_cpu / r['cpu_us_per_sample']:.2f}x"
+    for row in rows:
+        row["speedup"] = f"{row['samples_per_s'] / base:.2f}x"
+        row["cpu_speedup"] = f"{base_cpu / row['cpu_us_per_sample']:.2f}x"
 
     host = socket.gethostname().split(".")[0] or "host"
     cores = os.cpu_count()
@@ -236,8 +236,8 @@ def main() -> None:
     with open(stem + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=header + ["host", "cpu", "cores", "date", "command"])
         w.writeheader()
-        for r in rows:
-            w.writerow({**r, "host": host, "cpu": cpu_model(), "cores": cores, "date": date, "command": command})
+        for row in rows:
+            w.writerow({**row, "host": host, "cpu": cpu_model(), "cores": cores, "date": date, "command": command})
     print(f"wrote {stem}.md and {stem}.csv", file=sys.stderr)
 
 

@@ -33,9 +33,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from dit_lightning.planner.memory import Precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -44,8 +47,8 @@ MiB = 1024**2
 
 @dataclass(frozen=True)
 class Config:
-    precision: str = "32-true"
-    checkpointing: str = "none"  # none / half / all
+    precision: Precision = "32-true"
+    checkpointing: Literal["none", "half", "all"] = "none"
     compile: bool = False
     fused: bool = False
     online_vae: bool = False
@@ -167,6 +170,37 @@ def _planner_bytes(cfg: Config, shape: dict, args, device: str) -> Optional[int]
     return p.peak_allocated
 
 
+class Step(Protocol):
+    """One training step to time: the project's ``TrainingStep`` or the reference's."""
+
+    batch: dict[str, torch.Tensor]
+
+    def __call__(self) -> float: ...
+
+    def state_bytes(self) -> int: ...
+
+
+class OnlineVAEStep:
+    """``inner`` preceded by the VAE encoding of the batch's images into its latents (online VAE)."""
+
+    def __init__(self, inner: Step, vae: Any, images: torch.Tensor, device: torch.device) -> None:
+        self.inner, self.vae, self.images, self.device = inner, vae, images, device
+        self.batch = inner.batch
+
+    def __call__(self) -> float:
+        inner = self.inner
+        with (
+            torch.no_grad(),
+            inner.autocast() if hasattr(inner, "autocast") else torch.autocast(self.device.type, enabled=False),
+        ):
+            latents = self.vae.encode(self.images).latent_dist.sample() * 0.18215
+        inner.batch["x"] = latents.float()
+        return inner()
+
+    def state_bytes(self) -> int:
+        return self.inner.state_bytes()
+
+
 def run_config(name: str, args) -> dict[str, Any]:
     """Build, warm up, time and measure one configuration; return its row."""
     cfg = CONFIGS[name]
@@ -200,6 +234,7 @@ def run_config(name: str, args) -> dict[str, Any]:
         "index": torch.arange(n, device=device),
     }
     extra_state: list[torch.Tensor] = []
+    step: Step
     if cfg.reference:
         from reference_step import ReferenceTrainingStep, build_reference
 
@@ -228,18 +263,7 @@ def run_config(name: str, args) -> dict[str, Any]:
         vae = _vae(device, small=device.type == "cpu")
         images = torch.rand(n, 3, 8 * lat, 8 * lat, generator=gen).to(device) * 2 - 1
         extra_state += list(vae.parameters()) + [images]
-        inner = step
-
-        def step() -> float:
-            with (
-                torch.no_grad(),
-                inner.autocast() if hasattr(inner, "autocast") else torch.autocast(device.type, enabled=False),
-            ):
-                latents = vae.encode(images).latent_dist.sample() * 0.18215
-            inner.batch["x"] = latents.float()
-            return inner()
-
-        step.state_bytes = inner.state_bytes  # type: ignore[attr-defined]
+        step = OnlineVAEStep(step, vae, images, device)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -435,7 +459,7 @@ def _cpu_verdict(rows: list[dict[str, Any]]) -> list[str]:
     def proj(prec_a, ck_a, prec_b, ck_b):
         vals = []
         for b in (32, 64, 128):
-            kw = dict(micro_batch=b, fused_optimizer=False, device="cuda")
+            kw: dict[str, Any] = dict(micro_batch=b, fused_optimizer=False, device="cuda")
             a = plan_memory("DiT-XL/2", precision=prec_a, activation_checkpointing=ck_a, **kw).peak_allocated
             c = plan_memory("DiT-XL/2", precision=prec_b, activation_checkpointing=ck_b, **kw).peak_allocated
             vals.append(f"{(a / c - 1) * 100:+.0f}%")
@@ -493,7 +517,7 @@ def planner_projection(model: str = "DiT-XL/2", batches: tuple[int, ...] = (32, 
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in batches:
-        kw = dict(micro_batch=b, fused_optimizer=False, device="cuda")
+        kw: dict[str, Any] = dict(micro_batch=b, fused_optimizer=False, device="cuda")
         fp32 = plan_memory(model, precision="32-true", **kw).peak_allocated
         mixed = plan_memory(model, precision="bf16-mixed", **kw).peak_allocated
         half = plan_memory(model, precision="bf16-mixed", activation_checkpointing="half", **kw).peak_allocated

@@ -28,7 +28,7 @@ import torch
 
 from dit_lightning.diffusion import create_diffusion
 from dit_lightning.models import DiTShape, build_dit, dit_macs
-from dit_lightning.sampling import guided_model_fn, sample_latents, step_noise
+from dit_lightning.sampling import Sampler, guided_model_fn, sample_latents, step_noise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,7 +116,7 @@ def main() -> None:
     n, b = args.num_samples, min(args.batch_size, args.num_samples)
     labels = torch.arange(n, device=device) % net.num_classes
 
-    def ours(sampler: str, steps: int) -> Callable[[], Any]:
+    def ours(sampler: Sampler, steps: int) -> Callable[[], Any]:
         def run() -> None:
             for s in range(0, n, b):
                 idx = torch.arange(s, min(n, s + b))

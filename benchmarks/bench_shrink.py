@@ -38,7 +38,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CKPT = os.path.join(REPO, "outputs", "demo", "checkpoints", "last.ckpt")
 # The demo's model (configs/demo.yaml) and recipe.
-DEMO = dict(
+DEMO: dict[str, Any] = dict(
     model="custom", depth=6, hidden_size=128, num_heads=4, patch_size=2, ema_decay=0.999, ema_warmup=True, cfg_scale=2.0
 )
 
@@ -385,6 +385,7 @@ def main() -> None:
     # ---- a small student distilled from scratch vs trained alone -------------------------------------
     student_cfg = dict(model_config(base_net), depth=3, hidden_size=96, num_heads=4, mlp_ratio=4.0)
     student_cfg.pop("attn_dim", None)
+    kw: dict[str, Any]
     for label, kw in (
         ("student d3/h96, distilled", dict(teacher=teacher, feature_pairs=[(0, 1), (1, 3), (2, 5)], alpha_feature=0.1)),
         ("student d3/h96, alone", {}),

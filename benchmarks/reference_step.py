@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dit_lightning.diffusion import create_diffusion
-from dit_lightning.models.dit import sincos_2d
+from dit_lightning.models.dit import DiT, sincos_2d
 
 
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -106,18 +106,24 @@ class ReferenceDiT(nn.Module):
         self.final_layer.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 2 * d))
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+        # The holders are bare nn.Module()s (for the reference's parameter names): type their children.
+        proj = cast(nn.Conv2d, self.x_embedder.proj)
+        t_mlp = cast(nn.Sequential, self.t_embedder.mlp)
+        table = cast(nn.Embedding, self.y_embedder.embedding_table)
+        final_mod = cast(nn.Sequential, self.final_layer.adaLN_modulation)
+        final_linear = cast(nn.Linear, self.final_layer.linear)
         n, _, h, w = x.shape
-        tok = self.x_embedder.proj(x).flatten(2).transpose(1, 2) + self.pos_embed
+        tok = proj(x).flatten(2).transpose(1, 2) + self.pos_embed
         freqs = torch.exp(-math.log(10000.0) * torch.arange(128, dtype=torch.float32, device=x.device) / 128)
         args = t.float()[:, None] * freqs[None]
-        c = self.t_embedder.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
+        c = t_mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
         if self.training and self.dropout > 0:
             y = torch.where(torch.rand(n, device=x.device) < self.dropout, torch.full_like(y, self.num_classes), y)
-        c = c + self.y_embedder.embedding_table(y)
+        c = c + table(y)
         for block in self.blocks:
             tok = block(tok, c)
-        shift, scale = self.final_layer.adaLN_modulation(c).chunk(2, dim=1)
-        out = self.final_layer.linear(_modulate(_norm(tok), shift, scale))
+        shift, scale = final_mod(c).chunk(2, dim=1)
+        out = final_linear(_modulate(_norm(tok), shift, scale))
         p, co = self.p, self.out_channels
         out = out.reshape(n, h // p, w // p, p, p, co).permute(0, 5, 1, 3, 2, 4)
         return out.reshape(n, co, h, w)
@@ -153,7 +159,7 @@ class ReferenceTrainingStep:
     def state_bytes(self) -> int:
         from dit_lightning.planner.measure import tensor_bytes
 
-        tensors = list(self.model.parameters()) + list(self.ema.parameters())
+        tensors: list[Tensor] = [*self.model.parameters(), *self.ema.parameters()]
         for state in self.optimizer.state.values():
             tensors += [v for v in state.values() if torch.is_tensor(v)]
         tensors += [v for v in self.batch.values() if torch.is_tensor(v)]
@@ -161,7 +167,7 @@ class ReferenceTrainingStep:
 
 
 @torch.no_grad()
-def max_abs_difference(project_model: nn.Module, reference: ReferenceDiT, batch: int = 2, seed: int = 0) -> float:
+def max_abs_difference(project_model: DiT, reference: ReferenceDiT, batch: int = 2, seed: int = 0) -> float:
     """Load the project's weights into the reference network and compare the outputs (eval)."""
     missing = reference.load_state_dict(project_model.state_dict(), strict=True)
     assert not missing.missing_keys and not missing.unexpected_keys

@@ -6,10 +6,11 @@ ADM ``.npz``, statistics, JSON reports) goes through :func:`atomic_write`: the b
 temporary file in the target's directory, are flushed and fsync'ed, the file is renamed over
 the target (``os.replace``: atomic on POSIX and Windows) and the directory is fsync'ed so the
 rename itself survives a power cut. Files get the permissions a plain ``open`` would give
-(``0o666`` minus the umask), not ``mkstemp``'s ``0o600``: checkpoints and stores are shared.
+(``0o666`` minus the process's umask, read once when this module is imported), not
+``mkstemp``'s ``0o600``: checkpoints and stores are shared.
 
-Temporary files are named ``.<name>.<random>.tmp``; :func:`remove_stale_temporaries` deletes
-those a killed process left behind.
+Temporary files are named ``.<name>.<8 random characters>.tmp`` (``mkstemp``'s names);
+:func:`remove_stale_temporaries` deletes those a killed process left behind, and nothing else.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +28,8 @@ from typing import IO, Any, Union
 PathLike = Union[str, "os.PathLike[str]"]
 
 TMP_SUFFIX = ".tmp"
+# what tempfile.mkstemp(prefix=".<name>.", suffix=".tmp") creates: 8 characters of [a-z0-9_]
+_TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 
 def _file_mode() -> int:
@@ -145,7 +149,7 @@ def remove_stale_temporaries(directory: PathLike, older_than_s: float = 0.0, rec
     walker = os.walk(root) if recursive else [(root, [], os.listdir(root))]
     for dirpath, _, names in walker:
         for name in names:
-            if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
+            if not _TEMPORARY.match(name):
                 continue
             full = os.path.join(dirpath, name)
             try:

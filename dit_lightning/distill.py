@@ -28,6 +28,7 @@ from typing import Any, Literal, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from .checkpoints import load_dit
 from .models import DiT
@@ -169,7 +170,7 @@ class DistillationModule(DiTModule):
         return config
 
     @staticmethod
-    def _capture(blocks: Sequence[nn.Module], indices: Sequence[int], store: dict[int, Tensor]) -> list[Any]:
+    def _capture(blocks: nn.ModuleList, indices: Sequence[int], store: dict[int, Tensor]) -> list[RemovableHandle]:
         def make(i: int) -> Callable:
             def hook(_m: nn.Module, _args: Any, out: Tensor) -> None:
                 # Hooks live only for one loss computation, so the backward pass's activation
@@ -180,9 +181,7 @@ class DistillationModule(DiTModule):
 
         return [blocks[i].register_forward_hook(make(i)) for i in sorted(set(indices))]
 
-    def distillation_loss(
-        self, net: nn.Module, batch: dict[str, Tensor], step_key: int, train: bool
-    ) -> dict[str, Tensor]:
+    def distillation_loss(self, net: DiT, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
         """The weighted total ``loss`` and its terms: ``diffusion`` (hybrid loss), ``mse``,
         ``vb``, ``distill_eps``, ``distill_var`` and ``distill_feat``."""
         weighted = self.alpha_output or self.alpha_variance or (self.alpha_feature and self.feature_pairs)
@@ -203,7 +202,7 @@ class DistillationModule(DiTModule):
             outputs["student"] = out
             return out
 
-        hooks = []
+        hooks: list[RemovableHandle] = []
         if self.feature_pairs and self.alpha_feature:
             hooks = self._capture(net.blocks, [s for s, _ in self.feature_pairs], s_feats)
             hooks += self._capture(teacher.blocks, [t for _, t in self.feature_pairs], t_feats)

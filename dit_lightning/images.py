@@ -123,7 +123,7 @@ def save_png(grid: Tensor, path: Union[str, Path], upscale: int = 1) -> Path:
     array = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     image = Image.fromarray(array)
     if upscale > 1:
-        image = image.resize((image.width * upscale, image.height * upscale), Image.NEAREST)
+        image = image.resize((image.width * upscale, image.height * upscale), Image.Resampling.NEAREST)
     return save_image(path, image)
 
 

@@ -8,7 +8,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import lightning as L
 import torch
@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from .checkpoints import check_dit_weights, load_dit_weights, read_checkpoint, strip_prefix
 from .diffusion import create_diffusion
+from .diffusion.gaussian_diffusion import ModelFn
 from .distributed.ops import clip_gradients, ema_update_, grad_norm
 from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
@@ -27,6 +28,9 @@ from .precision import is_fp16
 from .sampling import Sampler, sample_latents
 from .schedules import WarmupDecayLR
 from .vae import DEFAULT_SCALE_FACTOR, clip_denoised_for, decode_latents, is_pixel_space, load_vae
+
+if TYPE_CHECKING:
+    from lightning.pytorch.utilities.parsing import AttributeDict
 
 log = logging.getLogger(__name__)
 # The EMA copy is in eval mode on purpose (it is never trained); Lightning warns about it.
@@ -157,6 +161,12 @@ class DiTModule(L.LightningModule):
                 load_dit_weights(self.ema, initial.ema, source=f"EMA weights of '{init_from}'")
         self._decoder_cache: dict[str, nn.Module] = {}  # a plain dict: keeps the VAE out of the state dict
 
+    if TYPE_CHECKING:
+
+        @property
+        def hparams(self) -> AttributeDict:
+            """The ``__init__`` arguments saved by ``save_hyperparameters`` (always an ``AttributeDict`` here)."""
+
     # ---- weights ----------------------------------------------------------------------
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         trainer = self._trainer
@@ -262,7 +272,7 @@ class DiTModule(L.LightningModule):
         return factory(optimizer)
 
     # ---- the training objective -----------------------------------------------------------
-    def _attention_context(self):
+    def _attention_context(self) -> contextlib.AbstractContextManager[Any]:
         backend = self.hparams.attention_backend
         if backend == "auto":
             return contextlib.nullcontext()
@@ -276,7 +286,7 @@ class DiTModule(L.LightningModule):
         }
         return sdpa_kernel(kinds[backend])
 
-    def diffusion_loss(self, net: nn.Module, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
+    def diffusion_loss(self, net: ModelFn, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
         """Per-batch mean of the hybrid loss with timesteps, noise and label dropout keyed on
         (seed, step, sample index): independent of process layout, resumable bit-for-bit."""
         x, y, index = batch["x"], batch["y"], batch["index"]
@@ -313,7 +323,8 @@ class DiTModule(L.LightningModule):
         return self._eval_step(batch, "test")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        every = self.trainer.log_every_n_steps if self._trainer is not None else 1
+        # Lightning's connectors set Trainer.log_every_n_steps at run time; the class does not declare it.
+        every = self.trainer.log_every_n_steps if self._trainer is not None else 1  # type: ignore[attr-defined]
         # Lightning writes step metrics after step s when (s + 1) % every == 0 (s counted from 0):
         # compute the norm (a collective under FSDP) exactly then, so it lands at every log point.
         if every > 0 and (self.global_step + 1) % every == 0:
@@ -414,6 +425,7 @@ class DiTModule(L.LightningModule):
             self._decoder_cache[name] = load_vae(name)
         vae = self._decoder_cache[name].to(latents.device)
         if scale_factor is None:
-            data = self._trainer.datamodule if self._trainer is not None else None
+            # Trainer.datamodule: set by Lightning's data connector, not declared on the class.
+            data = self._trainer.datamodule if self._trainer is not None else None  # type: ignore[attr-defined]
             scale_factor = self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
         return decode_latents(latents, vae, scale_factor)

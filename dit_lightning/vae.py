@@ -3,7 +3,7 @@ and the pixel-space stores that need none ("none/pixels", e.g. the digits demo).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -48,8 +48,9 @@ def decode_latents(
     cost and the SD decoders are the part most sensitive to reduced precision.
     """
     if vae is None or isinstance(vae, str):
-        if is_pixel_space(vae):
+        if vae is None or is_pixel_space(vae):
             return ((latents.float() + 1) / 2).clamp(0, 1)
         vae = load_vae(vae, latents.device)
-    images = vae.decode(latents.float() / scale_factor).sample
+    decoder: Any = vae  # a diffusers AutoencoderKL (or a module with its `decode(z).sample`)
+    images = decoder.decode(latents.float() / scale_factor).sample
     return ((images.float() + 1) / 2).clamp(0, 1)

@@ -1,8 +1,10 @@
+"""Fixtures shared by every test directory. Importable helpers (tiny models, datasets, CLI
+runners...) live in tests/helpers/."""
+
 import os
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 
 # Two cores on CI: keep intra-op threads bounded so parallel helpers do not thrash.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -24,27 +26,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def tiny_dit_kwargs(**overrides):
-    """A DiT small enough for CPU tests (a few thousand parameters)."""
-    kw = dict(input_size=8, patch_size=2, in_channels=4, hidden_size=32, depth=2, num_heads=4, num_classes=10)
-    kw.update(overrides)
-    return kw
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """The bundled digits (1 x 8 x 8 pixels, 10 classes) prepared as a store, once per test module.
+    (tests/data/test_datamodule.py overrides ``store`` with a store of random latents.)"""
+    from dit_lightning.data import prepare_digits
 
-
-# DiTModule arguments of a tiny model on 1 x 8 x 8 "digits" (10 classes).
-TINY_MODULE = dict(model="custom", latent_shape=(1, 8, 8), num_classes=10, depth=2, hidden_size=32, num_heads=4, patch_size=2)
-
-
-class DictDataset(Dataset):
-    """``n`` fixed random 1 x 8 x 8 samples in [-1, 1] as ``{"x", "y", "index"}`` batches."""
-
-    def __init__(self, n: int = 32):
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 1, 8, 8, generator=g).clamp(-1, 1)
-        self.y = torch.randint(0, 10, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i], "index": torch.tensor(i)}
+    return prepare_digits(str(tmp_path_factory.mktemp("digits") / "store"))

@@ -158,7 +158,11 @@ def test_no_import_cycles():
     # a package's __init__ re-exports its submodules; a submodule importing a sibling through
     # the package is not a cycle of code, so edges into one's own package __init__ are dropped
     edges = {
-        name: {t for t in targets if not (name.startswith(t + ".") and (PACKAGE.parent / (t.replace(".", "/") + "/__init__.py")).exists())}
+        name: {
+            t
+            for t in targets
+            if not (name.startswith(t + ".") and (PACKAGE.parent / (t.replace(".", "/") + "/__init__.py")).exists())
+        }
         for name, targets in graph.items()
     }
     index: dict[str, int] = {}
@@ -200,7 +204,9 @@ def test_the_checker_sees_a_wrong_import(tmp_path):
     import shutil
 
     shutil.copytree(PACKAGE, tmp_path / "dit_lightning", ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "dit_lightning" / "models" / "probe.py").write_text("import lightning\nfrom ..module import DiTModule\n")
+    (tmp_path / "dit_lightning" / "models" / "probe.py").write_text(
+        "import lightning\nfrom ..module import DiTModule\n"
+    )
     wrong = layer_violations(tmp_path)
     assert wrong == [
         "dit_lightning.models.probe (layer 1) imports dit_lightning.module (layer 3)",

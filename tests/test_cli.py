@@ -1,46 +1,14 @@
+"""The `dit-lightning` CLI: config merging and validation, every shipped config, a killed run
+resuming bit for bit, predict / test from a checkpoint, and the tools' help."""
+
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dit_lightning.cli import main
-
-ROOT = Path(__file__).resolve().parents[1]
-DEMO = str(ROOT / "configs" / "demo.yaml")
-# The demo's model and data shrunk so a fit takes seconds.
-TINY = [
-    "--model.depth", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
-    "--data.global_batch_size", "32", "--data.val_size", "64",
-    "--trainer.callbacks=[]", "--trainer.log_every_n_steps", "1", "--trainer.enable_model_summary", "false",
-    "--trainer.enable_progress_bar", "false",
-]
-
-
-def run_cli(args, tmp_path, check=True):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "dit_lightning.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def fit_args(tmp_path, name, steps, extra=()):
-    out = tmp_path / name
-    return [
-        "fit", "--config", DEMO, *TINY,
-        "--data.path", str(tmp_path / "digits"),
-        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "1000",
-        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
-        "--trainer.logger.save_dir", str(out), "--trainer.logger.name", "", "--trainer.logger.version", "",
-        "--checkpoint.dirpath", str(out / "ckpt"), "--checkpoint.every_n_train_steps", "4",
-        *extra,
-    ]
+from tests.helpers.cli import DEMO, ROOT, TINY, fit_args, run_cli
 
 
 def losses(run_dir: Path) -> dict[int, str]:
@@ -50,7 +18,18 @@ def losses(run_dir: Path) -> dict[int, str]:
 
 def test_print_config_merges_configs_and_overrides(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["fit", "--config", DEMO, "--config", str(ROOT / "configs/hardware/cpu.yaml"), "--model.depth", "3", "--print_config"])
+        main(
+            [
+                "fit",
+                "--config",
+                DEMO,
+                "--config",
+                str(ROOT / "configs/hardware/cpu.yaml"),
+                "--model.depth",
+                "3",
+                "--print_config",
+            ]
+        )
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "depth: 3" in out and "precision: 32-true" in out and "accelerator: cpu" in out
@@ -58,7 +37,11 @@ def test_print_config_merges_configs_and_overrides(tmp_path, capsys):
 
 
 def test_batch_that_does_not_divide_fails_before_training(tmp_path):
-    proc = run_cli(fit_args(tmp_path, "bad", 2, ["--data.global_batch_size", "30", "--trainer.accumulate_grad_batches", "4"]), tmp_path, check=False)
+    proc = run_cli(
+        fit_args(tmp_path, "bad", 2, ["--data.global_batch_size", "30", "--trainer.accumulate_grad_batches", "4"]),
+        tmp_path,
+        check=False,
+    )
     assert proc.returncode != 0
     assert "global_batch_size 30" in proc.stderr and "accumulat" in proc.stderr
 
@@ -78,7 +61,12 @@ def test_killed_run_resumes_bit_for_bit(tmp_path):
     uninterrupted run (12 steps, checkpoints every 4, killed after step 10)."""
     run_cli(fit_args(tmp_path, "full", 12), tmp_path)
     killed = run_cli(
-        fit_args(tmp_path, "killed", 12, ["--trainer.callbacks+=tests.helpers.cli.KillAtStep", "--trainer.callbacks.step", "10"]),
+        fit_args(
+            tmp_path,
+            "killed",
+            12,
+            ["--trainer.callbacks+=tests.helpers.cli.KillAtStep", "--trainer.callbacks.step", "10"],
+        ),
         tmp_path,
         check=False,
     )
@@ -108,27 +96,62 @@ def test_predict_and_test_from_a_checkpoint(tmp_path):
     out = tmp_path / "pred"
     run_cli(
         [
-            "predict", "--config", DEMO, *TINY, "--data.path", str(tmp_path / "digits"),
-            "--data.predict_labels", "3,7", "--data.predict_num_samples", "4", "--model.sample_steps", "5",
-            "--trainer.logger", "false", "--trainer.callbacks+=dit_lightning.callbacks.PredictionWriter",
-            "--trainer.callbacks.output_dir", str(out), "--ckpt_path", str(ckpt),
+            "predict",
+            "--config",
+            DEMO,
+            *TINY,
+            "--data.path",
+            str(tmp_path / "digits"),
+            "--data.predict_labels",
+            "3,7",
+            "--data.predict_num_samples",
+            "4",
+            "--model.sample_steps",
+            "5",
+            "--trainer.logger",
+            "false",
+            "--trainer.callbacks+=dit_lightning.callbacks.PredictionWriter",
+            "--trainer.callbacks.output_dir",
+            str(out),
+            "--ckpt_path",
+            str(ckpt),
         ],
         tmp_path,
     )
-    assert sorted(p.name for p in out.glob("*.png")) == ["000000-c3.png", "000001-c7.png", "000002-c3.png", "000003-c7.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "000000-c3.png",
+        "000001-c7.png",
+        "000002-c3.png",
+        "000003-c7.png",
+    ]
     # `test`: the held-out loss and the demo config's `evaluation` section (digits metrics)
     metrics = tmp_path / "test_metrics.json"
     proc = run_cli(
         [
-            "test", "--config", DEMO, *TINY, "--data.path", str(tmp_path / "digits"), "--trainer.logger", "false",
-            "--evaluation.num_samples", "20", "--evaluation.num_steps", "3", "--evaluation.output", str(metrics),
-            "--ckpt_path", str(ckpt),
+            "test",
+            "--config",
+            DEMO,
+            *TINY,
+            "--data.path",
+            str(tmp_path / "digits"),
+            "--trainer.logger",
+            "false",
+            "--evaluation.num_samples",
+            "20",
+            "--evaluation.num_steps",
+            "3",
+            "--evaluation.output",
+            str(metrics),
+            "--ckpt_path",
+            str(ckpt),
         ],
         tmp_path,
     )
     assert "test/loss" in proc.stdout and "test/digits_accuracy" in proc.stdout and "test/digits_fd_svc" in proc.stdout
     saved = json.loads(metrics.read_text())
-    assert saved["digits"]["samples"] == 20 and saved["checkpoint"] == str(ckpt) and saved["sampling"]["cfg_scale"] == 2.0
+    assert (
+        saved["digits"]["samples"] == 20 and saved["checkpoint"] == str(ckpt) and saved["sampling"]["cfg_scale"] == 2.0
+    )
 
 
 def test_tool_commands_have_help():

@@ -3,11 +3,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dit_lightning.distill import DistillationModule
 from dit_lightning.checkpoints import save_dit as save_pruned
+from dit_lightning.distill import DistillationModule
 from dit_lightning.module import DiTModule
+from tests.helpers.training import TINY_MODULE as TINY
+from tests.helpers.training import DictDataset
 
-from .conftest import TINY_MODULE as TINY, DictDataset
 SMALL = {**TINY, "hidden_size": 16, "num_heads": 2}
 
 
@@ -16,7 +17,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def batch(n: int = 8, seed: int = 2):
     g = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(n, 1, 8, 8, generator=g), "y": torch.randint(0, 10, (n,), generator=g), "index": torch.arange(n)}
+    return {
+        "x": torch.randn(n, 1, 8, 8, generator=g),
+        "y": torch.randint(0, 10, (n,), generator=g),
+        "index": torch.arange(n),
+    }
 
 
 @pytest.fixture
@@ -29,7 +34,13 @@ def teacher_ckpt(tmp_path):
             if name != "pos_embed":
                 p.normal_(0, 0.1)
         module.ema.load_state_dict(module.model.state_dict())
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.strategy.connect(module)
     path = tmp_path / "teacher.ckpt"
     trainer.save_checkpoint(path)
@@ -50,7 +61,9 @@ def test_teacher_is_loaded_with_its_heads_frozen_and_in_eval_mode(teacher_ckpt):
 
 def test_distillation_terms_vanish_when_the_student_is_the_teacher(teacher_ckpt):
     path, _ = teacher_ckpt
-    student = DistillationModule(teacher=path, init_from=path, feature_pairs=[(0, 0), (1, 1)], alpha_feature=1.0, **TINY).train()
+    student = DistillationModule(
+        teacher=path, init_from=path, feature_pairs=[(0, 0), (1, 1)], alpha_feature=1.0, **TINY
+    ).train()
     with torch.no_grad():
         terms = student.distillation_loss(student.model, batch(), step_key=3, train=True)
     assert terms["distill_eps"] == 0 and terms["distill_var"] == 0 and terms["distill_feat"] == 0
@@ -88,7 +101,12 @@ def test_teacher_gets_no_gradients_and_stays_out_of_the_checkpoint(teacher_ckpt,
     student = DistillationModule(teacher=path, feature_pairs=[(0, 1)], alpha_feature=1.0, **SMALL)
     teacher_before = {k: v.clone() for k, v in student.teacher.state_dict().items()}
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(student, DataLoader(DictDataset(16), batch_size=8))
     assert not student.teacher.training
@@ -117,7 +135,10 @@ def test_teacher_gets_no_gradients_and_stays_out_of_the_checkpoint(teacher_ckpt,
 def test_a_teacher_of_other_data_is_refused_clearly(tmp_path):
     other = DiTModule(**{**TINY, "latent_shape": (4, 8, 8), "num_classes": 5})
     path = save_pruned(other.model, tmp_path / "other.pt", ema=other.ema)
-    with pytest.raises(ValueError, match=r"does not match the student: latent_shape: student \(1, 8, 8\), teacher \(4, 8, 8\); num_classes"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not match the student: latent_shape: student \(1, 8, 8\), teacher \(4, 8, 8\); num_classes",
+    ):
         DistillationModule(teacher=path, **SMALL)
 
 
@@ -137,5 +158,7 @@ def test_teacher_follows_the_students_device_and_precision(teacher_ckpt):
     student = DistillationModule(teacher=path, **SMALL).to(torch.bfloat16)  # as bf16-true does
     assert student.teacher_net().pos_embed.dtype == torch.bfloat16
     with torch.no_grad():
-        terms = student.distillation_loss(student.model, {**batch(), "x": batch()["x"].bfloat16()}, step_key=0, train=True)
+        terms = student.distillation_loss(
+            student.model, {**batch(), "x": batch()["x"].bfloat16()}, step_key=0, train=True
+        )
     assert torch.isfinite(terms["loss"])

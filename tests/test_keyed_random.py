@@ -13,7 +13,9 @@ def test_splitmix64_known_value():
 def test_draws_depend_only_on_the_keys_not_on_the_batch_layout():
     index = torch.arange(16)
     whole = keyed_normal(sample_keys(index, 7, 3), (2, 4, 4))
-    halves = torch.cat([keyed_normal(sample_keys(index[:8], 7, 3), (2, 4, 4)), keyed_normal(sample_keys(index[8:], 7, 3), (2, 4, 4))])
+    halves = torch.cat(
+        [keyed_normal(sample_keys(index[:8], 7, 3), (2, 4, 4)), keyed_normal(sample_keys(index[8:], 7, 3), (2, 4, 4))]
+    )
     assert torch.equal(whole, halves)
     shuffled = torch.randperm(16)
     assert torch.equal(keyed_normal(sample_keys(index[shuffled], 7, 3), (2, 4, 4)), whole[shuffled])

@@ -1,19 +1,15 @@
+"""DiTModule: EMA under accumulation, the loss, warm-up, mixed precision, sampling, init_from and
+resume of other architectures, FLOPs, compile and attention backends."""
+
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from dit_lightning.models import DiT
-from dit_lightning.checkpoints import export_checkpoint, read_checkpoint
 from dit_lightning.module import DiTModule
-
-from .conftest import TINY_MODULE as TINY, DictDataset
-
-
-def trainer(**kw):
-    base = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    base.update(kw)
-    return L.Trainer(**base)
+from tests.helpers.training import TINY_MODULE as TINY
+from tests.helpers.training import DictDataset, trainer
 
 
 class RecordingModule(DiTModule):
@@ -112,47 +108,6 @@ def test_init_from_raw_state_dict_and_architecture_mismatch(tmp_path):
         DiTModule(**{**TINY, "depth": 3}, init_from=str(path))
 
 
-def test_lightning_checkpoint_loads_weights_only_and_exports_to_reference_format(tmp_path):
-    module = DiTModule(**TINY, ema_decay=0.5)
-    t = trainer(max_steps=2, default_root_dir=tmp_path)
-    t.fit(module, DataLoader(DictDataset(), batch_size=8))
-    ckpt = tmp_path / "run.ckpt"
-    t.save_checkpoint(ckpt)
-    raw = torch.load(ckpt, weights_only=True)  # no pickled objects in our checkpoints
-    assert raw["global_step"] == 2
-    restored = DiTModule.load_from_checkpoint(ckpt, weights_only=True)
-    for a, b in zip(module.ema.parameters(), restored.ema.parameters()):
-        assert torch.equal(a, b)
-
-    ref = tmp_path / "ref.pt"
-    export_checkpoint(str(ckpt), str(ref))
-    out = torch.load(ref, weights_only=True)
-    assert set(out) == {"model", "ema", "opt", "args"}
-    plain = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=4, num_classes=10)
-    plain.load_state_dict(out["ema"], strict=True)
-    for a, b in zip(plain.parameters(), module.ema.parameters()):
-        assert torch.equal(a, b)
-    assert out["args"]["model_config"]["depth"] == 2
-
-    raw_path = tmp_path / "raw.pt"
-    export_checkpoint(str(ckpt), str(raw_path), format="raw")
-    assert read_checkpoint(raw_path).model.keys() == plain.state_dict().keys()
-
-
-def test_read_checkpoint_refuses_non_dit_and_truncated_files(tmp_path):
-    bad = tmp_path / "other.pt"
-    torch.save({"encoder.weight": torch.zeros(2)}, bad)
-    with pytest.raises(ValueError, match="not a DiT checkpoint"):
-        read_checkpoint(bad)
-    src = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=4, num_classes=10)
-    good = tmp_path / "good.pt"
-    torch.save(src.state_dict(), good)
-    truncated = tmp_path / "truncated.pt"
-    truncated.write_bytes(good.read_bytes()[:1000])
-    with pytest.raises(ValueError, match="could not read checkpoint"):
-        read_checkpoint(truncated)
-
-
 def test_flops_per_image_counts_recompute_apart():
     plain = DiTModule(**TINY)
     ckpt = DiTModule(**TINY, activation_checkpointing="all")
@@ -167,7 +122,9 @@ def test_resuming_a_checkpoint_of_another_architecture_fails_clearly(tmp_path):
     t.save_checkpoint(tmp_path / "a.ckpt")
     other = DiTModule(**{**TINY, "hidden_size": 64})
     with pytest.raises(ValueError, match="the checkpoint being resumed holds another architecture"):
-        trainer(max_steps=2, default_root_dir=tmp_path).fit(other, DataLoader(DictDataset(), batch_size=8), ckpt_path=tmp_path / "a.ckpt")
+        trainer(max_steps=2, default_root_dir=tmp_path).fit(
+            other, DataLoader(DictDataset(), batch_size=8), ckpt_path=tmp_path / "a.ckpt"
+        )
 
 
 def test_compile_in_place_keeps_parameter_names_and_outputs():
@@ -198,8 +155,18 @@ def test_forced_attention_backend_matches_auto():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed with GradScaler needs a CUDA device")
 def test_16_mixed_with_grad_scaler_on_gpu():
     module = DiTModule(**TINY)
-    t = L.Trainer(max_steps=3, accelerator="gpu", devices=1, precision="16-mixed", gradient_clip_val=1.0, logger=False, enable_checkpointing=False)
+    t = L.Trainer(
+        max_steps=3,
+        accelerator="gpu",
+        devices=1,
+        precision="16-mixed",
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+    )
     t.fit(module, DataLoader(DictDataset(), batch_size=8))
     assert torch.isfinite(t.callback_metrics["train/loss"])
     assert t.precision_plugin.scaler is not None
-    assert not module.optimizers().optimizer.defaults.get("fused")  # fused + clipping + GradScaler is refused by Lightning
+    assert not module.optimizers().optimizer.defaults.get(
+        "fused"
+    )  # fused + clipping + GradScaler is refused by Lightning

@@ -102,7 +102,9 @@ def test_committed_notebooks_are_executed_and_clean():
     for path in sorted(NOTEBOOKS.glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
-        assert code and 'os.environ.get("DIT_NOTEBOOK_FAST", "1") == "1"' in code[0].source, f"{path.name}: FAST must be the first code cell"
+        assert code and 'os.environ.get("DIT_NOTEBOOK_FAST", "1") == "1"' in code[0].source, (
+            f"{path.name}: FAST must be the first code cell"
+        )
         assert all(c.execution_count for c in code), f"{path.name}: run notebooks/execute.py before committing"
         assert _images(nb.cells) > 0, f"{path.name}: committed without its plots"
         assert not runner.find_machine_paths(nb), f"{path.name}: machine paths in the committed outputs"

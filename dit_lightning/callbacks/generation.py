@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, cast
 
 import lightning as L
 import numpy as np
@@ -24,6 +24,7 @@ from ..evaluation.fid import (
     reference_stats,
 )
 from ..images import to_uint8
+from ..models import DiT
 from ..sampling import LabelPlan, LabelSpec, Sampler, parse_labels
 from ..vae import is_pixel_space
 from .checkpoint import run_path
@@ -143,7 +144,7 @@ class GenerationMetrics(L.Callback):
         check_metrics(self.image_metrics, self.reference, self.feature_extractor)
         if self.num_samples < 2:
             raise ValueError(f"num_samples must be at least 2 to measure anything, got {self.num_samples}")
-        net = pl_module.model
+        net = cast(DiT, pl_module.model)  # a DiTModule's network
         parse_labels(self.labels, net.num_classes, seed=self.seed)  # raises for labels outside the model
         if "digits" in self.metrics and not (
             net.in_channels == 1 and net.num_classes == 10 and is_pixel_space(pl_module.hparams.get("vae"))
@@ -195,6 +196,10 @@ class GenerationMetrics(L.Callback):
                 )  # fmt: skip
             images = torch.from_numpy(to_uint8(pl_module.decode(latents))).permute(0, 3, 1, 2)
             if self.image_metrics:
+                if self._extractor is None:
+                    raise RuntimeError(
+                        "GenerationMetrics measures image metrics only after its setup() built the extractor"
+                    )
                 rgb = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
                 parts["image"].append(self._extractor(rgb.contiguous().to(device)).float())
             if "digits" in self.metrics:  # from the 8-bit images `evaluate` reads back
@@ -229,7 +234,10 @@ class GenerationMetrics(L.Callback):
                     result["num_reference"] = int(self._reference.num_samples)
             if "digits" in gathered:
                 result["digits"] = digits_metrics(gathered["digits"], plan(np.arange(self.num_samples)).numpy())
-        return trainer.strategy.broadcast(result, src=0)
+        result = trainer.strategy.broadcast(result, src=0)
+        if result is None:  # rank 0 always has the metrics it broadcasts
+            raise RuntimeError("GenerationMetrics: no metrics came from rank 0")
+        return result
 
     @staticmethod
     def scalars(result: dict[str, Any]) -> dict[str, float]:

@@ -53,11 +53,16 @@ _FALLBACK_WINDOW_STEPS = 50
 
 
 # ---- helpers shared with the memory monitor -------------------------------------------------
+def log_every_n_steps(trainer: L.Trainer) -> int:
+    """The Trainer's ``log_every_n_steps`` (Lightning's logger connector sets it; the class does not declare it)."""
+    return trainer.log_every_n_steps  # type: ignore[attr-defined]
+
+
 def is_log_step(trainer: L.Trainer, stepped: bool) -> bool:
     """True on the micro-batch that completes an optimiser step Lightning logs at: with
     ``log_every_n_steps=N`` Lightning writes its step metrics when ``global_step % N == 0``
     after the step, so ours land on the same x as ``train/loss``."""
-    every = trainer.log_every_n_steps
+    every = log_every_n_steps(trainer)
     return stepped and every > 0 and trainer.global_step % every == 0
 
 
@@ -150,7 +155,8 @@ def _model_description(pl_module: L.LightningModule) -> str:
 def print_fit_summary(trainer: L.Trainer, pl_module: L.LightningModule) -> Optional[str]:
     """Build the summary line once every monitor has its end-of-fit numbers, print it on rank 0
     and add it to TensorBoard as text ``summary``; returns the line (on every rank)."""
-    parts_cbs = [cb for cb in trainer.callbacks if isinstance(cb, FitSummaryPart)]
+    # Trainer.callbacks is set by Lightning's callback connector, not declared on the class.
+    parts_cbs = [cb for cb in trainer.callbacks if isinstance(cb, FitSummaryPart)]  # type: ignore[attr-defined]
     if not parts_cbs or not all(getattr(cb, "_summary_ready", False) for cb in parts_cbs):
         return None
     if any(getattr(cb, "_summary_done", False) for cb in parts_cbs):
@@ -364,7 +370,7 @@ class DiTThroughputMonitor(FitSummaryPart, L.Callback):
                     pl_module.log(
                         "img/s", value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1
                     )
-        elif trainer.log_every_n_steps <= 0 and trainer.global_step % _FALLBACK_WINDOW_STEPS == 0:
+        elif log_every_n_steps(trainer) <= 0 and trainer.global_step % _FALLBACK_WINDOW_STEPS == 0:
             self._close_window(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

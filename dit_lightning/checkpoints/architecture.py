@@ -98,7 +98,9 @@ def dit_config_of(
     sd = sd if sd is not None else ckpt.model
     cfg = infer_dit_config(sd)
     args = ckpt.args
-    recorded = args.get("model_config") if isinstance(args.get("model_config"), dict) else {}
+    recorded = args.get("model_config")
+    if not isinstance(recorded, dict):
+        recorded = {}
     notes: list[str] = []
     heads = num_heads or _recorded_heads(args)
     if heads is None and not any(

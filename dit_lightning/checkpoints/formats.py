@@ -87,7 +87,7 @@ def _from_lightning(path: str, ckpt: dict[str, Any], fmt: Format) -> DiTCheckpoi
         raise ValueError(f"'{path}' holds no DiT weights under 'model.' (keys: {sorted(sd)[:6]})")
     hp = ckpt.get("hyper_parameters")
     states = ckpt.get("optimizer_states") or []
-    meta = {k: ckpt[k] for k in ("epoch", "global_step", "pytorch-lightning_version") if k in ckpt}
+    meta: dict[str, Any] = {k: ckpt[k] for k in ("epoch", "global_step", "pytorch-lightning_version") if k in ckpt}
     return DiTCheckpoint(
         path, fmt, model, ema or None, dict(hp) if isinstance(hp, dict) else {}, states[0] if states else None, meta
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from ..planner.memory import (
     CheckpointArg,
@@ -81,7 +81,7 @@ def plan(
         in_channels: latent channels (4 for the SD VAE).
         num_classes: number of classes (1000 for ImageNet).
     """
-    shape = dict(
+    shape: dict[str, Any] = dict(
         depth=depth,
         hidden_size=hidden_size,
         num_heads=num_heads,

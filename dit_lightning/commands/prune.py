@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import datetime
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 from torch import Tensor
@@ -94,12 +94,15 @@ def prune(
         inputs = calibration_inputs(batch, diffusion.num_timesteps, calibration_draws, seed)
         report["calibration_loss_before"] = calibration_loss(model, diffusion, inputs)
 
-    if keep_blocks is not None or (depth is not None and depth < len(model.blocks)):
+    keep: Optional[Union[int, list[int]]] = keep_blocks  # explicit indices, else a smaller depth
+    if keep is None and depth is not None and depth < len(model.blocks):
+        keep = depth
+    if keep is not None:
         scores = None
         if keep_blocks is None and batch is not None:
             scores = block_importance(model, diffusion, batch, draws=calibration_draws, seed=seed)
             report["block_importance"] = [round(float(s), 6) for s in scores]
-        kept = select_blocks(len(model.blocks), keep_blocks if keep_blocks is not None else depth, scores)
+        kept = select_blocks(len(model.blocks), keep, scores)
         report["kept_blocks"] = kept
         model = prune_depth(model, kept)
     if heads is not None and heads < model.num_heads:
@@ -122,7 +125,7 @@ def prune(
         gmacs_before=macs_before / 1e9,
         gmacs_after=dit_macs(DiTShape.of(model)) / 1e9,
     )
-    carry = {k: args[k] for k in ("noise_schedule", "diffusion_steps", "learn_sigma") if k in args}
+    carry: dict[str, Any] = {k: args[k] for k in ("noise_schedule", "diffusion_steps", "learn_sigma") if k in args}
     save_dit(model, output, ema=model, extra_args={**carry, "pruning": report})
     cfg = model_config(model)
     print(

@@ -26,7 +26,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Union
 
 import lightning as L
 import numpy as np
@@ -36,6 +36,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from . import store as st
 from .digits import digits_spec, prepare_digits
 from .rng import NoiseKernel, flip_bits, to_float32
+
+if TYPE_CHECKING:
+    from lightning.pytorch.utilities.parsing import AttributeDict
 
 
 class BatchRequest(NamedTuple):
@@ -166,7 +169,8 @@ class LatentBatchSampler(DistributedSampler):
         self.epoch = 0
         self.skip = 0  # micro-batches to skip at the start of the next iteration (resume)
         self.iter_epoch = 0  # epoch of the iteration in progress (or last started)
-        self.dataset = None
+        # DistributedSampler's attribute (typed Dataset): this sampler reads no dataset.
+        self.dataset = None  # type: ignore[assignment]
         self.num_slots = 0  # set by the DataLoader when it uses a shared output pool
         # DistributedSampler's bookkeeping names: samples per replica and over all replicas
         self.num_samples = len(self) * self.micro_batch_size
@@ -470,6 +474,12 @@ class LatentDataModule(L.LightningDataModule):
         self.train_indices: Optional[np.ndarray] = None
         self.val_indices: Optional[np.ndarray] = None
 
+    if TYPE_CHECKING:
+
+        @property
+        def hparams(self) -> AttributeDict:
+            """The ``__init__`` arguments saved by ``save_hyperparameters`` (always an ``AttributeDict`` here)."""
+
     def _read_spec(self) -> st.StoreSpec:
         meta_path = os.path.join(self.path, st.META_FILE)
         if os.path.exists(meta_path):
@@ -591,7 +601,7 @@ class LatentDataModule(L.LightningDataModule):
         self._ensure_setup()
         if self.val_indices is None or len(self.val_indices) == 0:
             return []
-        return self._held_out_loader()
+        return self._held_out_loader(self.val_indices)
 
     def test_dataloader(self) -> DataLoader:
         """The held-out split (the store has one: ``val_size``), for ``dit-lightning test``'s loss;
@@ -602,11 +612,11 @@ class LatentDataModule(L.LightningDataModule):
                 "`test` measures the held-out split, and this data module holds none out: set data.val_size "
                 "(e.g. --data.val_size 1000, the same split as validation) and test again"
             )
-        return self._held_out_loader()
+        return self._held_out_loader(self.val_indices)
 
-    def _held_out_loader(self) -> DataLoader:
+    def _held_out_loader(self, indices: np.ndarray) -> DataLoader:
         sampler = LatentBatchSampler(
-            self.val_indices,
+            indices,
             self.val_batch_size or self.micro_batch_size,
             num_replicas=self._world,
             rank=self._rank,

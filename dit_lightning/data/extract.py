@@ -174,7 +174,7 @@ def extract_latents(
         latent_shape, sf = old.latent_shape, old.scale_factor
     else:
         vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))
-        cfg = vae_model.config
+        cfg: Any = vae_model.config  # diffusers' FrozenDict: its keys read as attributes
         down = 2 ** (len(cfg.block_out_channels) - 1)
         if image_size % down:
             raise ValueError(f"image_size {image_size} is not divisible by the VAE's downsampling factor {down}")
@@ -280,7 +280,7 @@ def _encode_shards(
 
     # Batches never cross a shard boundary, so a shard's content (and its bytes) does not
     # depend on which shards this run happens to do.
-    batches = []
+    batches: list[list[int]] = []
     for k in shards:
         a, b = spec.shard_range(k)
         batches.extend(list(range(s, min(b, s + batch_size))) for s in range(a, b, batch_size))

@@ -30,9 +30,9 @@ class BadImage(Exception):
 def adm_center_crop(image: Image.Image, image_size: int) -> Image.Image:
     """ADM centre crop of a PIL image to ``image_size`` x ``image_size``."""
     while min(image.size) >= 2 * image_size:
-        image = image.resize(tuple(s // 2 for s in image.size), resample=Image.BOX)
+        image = image.resize((image.width // 2, image.height // 2), resample=Image.Resampling.BOX)
     scale = image_size / min(image.size)
-    image = image.resize(tuple(round(s * scale) for s in image.size), resample=Image.BICUBIC)
+    image = image.resize((round(image.width * scale), round(image.height * scale)), resample=Image.Resampling.BICUBIC)
     w, h = image.size
     left, top = (w - image_size) // 2, (h - image_size) // 2
     return image.crop((left, top, left + image_size, top + image_size))

@@ -271,7 +271,8 @@ def read_shard_record(root: PathLike, k: int) -> Optional[dict[str, Any]]:
 def shard_status(root: PathLike, spec: Optional[StoreSpec] = None) -> tuple[list[int], list[int]]:
     """(done, missing) shard ids."""
     spec = spec or load_plan(root)
-    done, missing = [], []
+    done: list[int] = []
+    missing: list[int] = []
     for k in range(spec.num_shards):
         (done if read_shard_record(root, k) is not None else missing).append(k)
     return done, missing

@@ -29,9 +29,9 @@ def space_timesteps(num_timesteps: int, section_counts: Union[str, list[int]]) -
     if isinstance(section_counts, str):
         if section_counts.startswith("ddim"):
             desired = int(section_counts[len("ddim") :])
-            for stride in range(1, num_timesteps):
-                if len(range(0, num_timesteps, stride)) == desired:
-                    return set(range(0, num_timesteps, stride))
+            for step in range(1, num_timesteps):
+                if len(range(0, num_timesteps, step)) == desired:
+                    return set(range(0, num_timesteps, step))
             raise ValueError(f"cannot take exactly {desired} steps with an integer stride out of {num_timesteps}")
         section_counts = [int(x) for x in section_counts.split(",")]
     if not section_counts:

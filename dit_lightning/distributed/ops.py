@@ -4,7 +4,7 @@ shards, the global gradient norm, clipping by norm, and gathering full weights."
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,9 @@ from ..checkpoints.architecture import infer_dit_config
 from ..checkpoints.formats import clean_state_dict
 from ..models import DiT
 from .sharding import _fsdp1_units, _is_dtensor, is_fsdp2
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
 
 @torch.no_grad()
@@ -45,7 +48,10 @@ def ema_update_(ema: nn.Module, model: nn.Module, weight: float) -> None:
     e_params, m_params = list(ema.parameters()), list(model.parameters())
     if len(e_params) != len(m_params):
         raise RuntimeError(f"EMA has {len(e_params)} parameters, the model {len(m_params)}")
-    e_local, m_local = [], []
+    e_local: list[Tensor] = []
+    m_local: list[Tensor] = []
+    e: Tensor
+    m: Tensor
     for e, m in zip(e_params, m_params):
         if _is_dtensor(e) or _is_dtensor(m):
             if (
@@ -104,7 +110,8 @@ def clip_gradients(
     strategy = getattr(trainer, "strategy", None)
     if algorithm == "norm":
         if isinstance(strategy, FSDPStrategy):
-            strategy.model.clip_grad_norm_(gradient_clip_val)
+            # Under FSDPStrategy the root module is the FSDP1 wrapper (its clip_grad_norm_ uses the global norm).
+            cast("FullyShardedDataParallel", strategy.model).clip_grad_norm_(gradient_clip_val)
             return
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if any(_is_dtensor(p) for p in params):
@@ -136,7 +143,7 @@ def full_state_dict(net: nn.Module, rank0_only: bool = False) -> dict[str, Tenso
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    sd = get_model_state_dict(net, options=opts)
+    sd = cast(dict[str, Tensor], get_model_state_dict(net, options=opts))  # a model's state: tensors only
     return {k: v.detach().cpu() for k, v in sd.items()}
 
 

@@ -7,7 +7,7 @@ the EMA is sharded exactly like the model and its update is a lerp of local shar
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -17,8 +17,11 @@ from torch import nn
 
 from ..models import DiT
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-def _is_dtensor(t: Any) -> bool:
+
+def _is_dtensor(t: Any) -> TypeGuard[DTensor]:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover

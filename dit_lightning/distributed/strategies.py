@@ -139,7 +139,8 @@ class DiTFSDPStrategy(FSDPStrategy):
             cpu_offload=cpu_offload,
             mixed_precision=mixed,
             auto_wrap_policy=dit_wrap_policy(),
-            sharding_strategy=sharding_strategy,
+            # Lightning's annotation omits "_HYBRID_SHARD_ZERO2", which it accepts (ShardingStrategy[name]).
+            sharding_strategy=sharding_strategy,  # type: ignore[arg-type]
             state_dict_type=state_dict_type,
             # pos_embed (frozen) shares a flat parameter with trained weights: FSDP1 accepts
             # mixed requires_grad only with use_orig_params=True.
@@ -170,7 +171,8 @@ class DiTFSDPStrategy(FSDPStrategy):
         # would call the inner, unwrapped forward on sharded weights: bind it to the unit.
         for unit in FSDP.fsdp_modules(wrapped):
             if isinstance(unit.module, DiT):
-                unit.forward_with_cfg = MethodType(DiT.forward_with_cfg, unit)
+                # torch types module attributes as Tensor | Module; any object can be set.
+                unit.forward_with_cfg = MethodType(DiT.forward_with_cfg, unit)  # type: ignore[assignment]
         return wrapped
 
 

@@ -11,8 +11,8 @@ Pure PyTorch: no Lightning import, so notebooks and other trainers can use it di
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Optional, Union
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union, cast, overload
 
 import numpy as np
 import torch
@@ -97,7 +97,7 @@ class TimestepEmbedder(nn.Module):
 
     def forward(self, t: Tensor) -> Tensor:
         t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
-        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
+        return self.mlp(t_freq.to(cast(nn.Linear, self.mlp[0]).weight.dtype))
 
 
 class LabelEmbedder(nn.Module):
@@ -215,6 +215,24 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
+class DiTBlocks(nn.ModuleList):
+    """The transformer blocks: an ``nn.ModuleList`` whose items type-check as :class:`DiTBlock`."""
+
+    # Declarations for the type checker only: at run time the methods are ModuleList's own, so
+    # state-dict keys, FSDP wrapping and torch.compile's ModuleList fast paths are unchanged.
+    if TYPE_CHECKING:
+
+        def __iter__(self) -> Iterator[DiTBlock]: ...
+
+        @overload
+        def __getitem__(self, idx: slice) -> DiTBlocks: ...
+
+        @overload
+        def __getitem__(self, idx: int) -> DiTBlock: ...
+
+        def __getitem__(self, idx: Union[int, slice]) -> Union[DiTBlock, DiTBlocks]: ...
+
+
 # --------------------------------------------------------------------------------------
 # The network
 # --------------------------------------------------------------------------------------
@@ -268,6 +286,8 @@ class DiT(nn.Module):
     width of q, k, v; default ``hidden_size``) is set only by head-pruned models.
     """
 
+    _compiled: bool  # set once compiled in place (``DiTModule.configure_model``), absent before
+
     def __init__(
         self,
         input_size: int = 32,
@@ -309,7 +329,7 @@ class DiT(nn.Module):
         num_patches = self.x_embedder.num_patches
         # Fixed, not trained, but a Parameter (not a buffer) because released checkpoints hold it.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
-        self.blocks = nn.ModuleList(
+        self.blocks = DiTBlocks(
             [
                 DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, qk_norm=qk_norm, attn_dim=attn_dim)
                 for _ in range(depth)
@@ -335,15 +355,17 @@ class DiT(nn.Module):
         self.pos_embed.data.copy_(torch.from_numpy(pos).float().unsqueeze(0))
         w = self.x_embedder.proj.weight.data
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))  # like a Linear over the flattened patch
+        if self.x_embedder.proj.bias is None:  # PatchEmbed builds its Conv2d with bias=True
+            raise RuntimeError("DiT's patch embedding has no bias")
         nn.init.zeros_(self.x_embedder.proj.bias)
         nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        nn.init.normal_(cast(nn.Linear, self.t_embedder.mlp[0]).weight, std=0.02)
+        nn.init.normal_(cast(nn.Linear, self.t_embedder.mlp[2]).weight, std=0.02)
         for block in self.blocks:
-            nn.init.zeros_(block.adaLN_modulation[-1].weight)
-            nn.init.zeros_(block.adaLN_modulation[-1].bias)
-        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
-        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+            nn.init.zeros_(cast(nn.Linear, block.adaLN_modulation[-1]).weight)
+            nn.init.zeros_(cast(nn.Linear, block.adaLN_modulation[-1]).bias)
+        nn.init.zeros_(cast(nn.Linear, self.final_layer.adaLN_modulation[-1]).weight)
+        nn.init.zeros_(cast(nn.Linear, self.final_layer.adaLN_modulation[-1]).bias)
         nn.init.zeros_(self.final_layer.linear.weight)
         nn.init.zeros_(self.final_layer.linear.bias)
 
@@ -418,9 +440,9 @@ def dit_config(name: str) -> dict[str, int]:
     return dict(DIT_CONFIGS[key])
 
 
-def build_dit(name: str = "DiT-XL/2", **overrides) -> DiT:
+def build_dit(name: str = "DiT-XL/2", **overrides: Any) -> DiT:
     """Build a named DiT (``"DiT-S/2"``...), or ``"custom"`` from explicit sizes; any keyword
     of :class:`DiT` overrides the named size (e.g. ``input_size=64`` for 512px images)."""
-    kwargs = {} if name == "custom" else dit_config(name)
+    kwargs: dict[str, Any] = {} if name == "custom" else dit_config(name)
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     return DiT(**kwargs)

@@ -10,7 +10,7 @@ from a tracing counter whose treatment of a few small ops differs slightly).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,10 @@ def dit_params(s: DiTShape, include_pos_embed: bool = True) -> int:
     return patch_embed + t_embed + y_embed + s.depth * block + final + pos
 
 
-def shape_of(name: str, **overrides) -> DiTShape:
+def shape_of(name: str, **overrides: Any) -> DiTShape:
     """The :class:`DiTShape` of a named configuration (``"DiT-XL/2"``), with overrides."""
     from .dit import dit_config
 
-    kwargs = {} if name == "custom" else dit_config(name)
+    kwargs: dict[str, Any] = {} if name == "custom" else dit_config(name)
     kwargs.update({k: v for k, v in overrides.items() if v is not None and k in DiTShape.__dataclass_fields__})
     return DiTShape(**kwargs)

@@ -215,10 +215,12 @@ def prune_mlp(
     important ones by ``scores`` (default :func:`mlp_channel_scores` with ``criterion``).
     The count is the same in every block (one ``mlp_ratio``); which channels differ per block."""
     mlp_hidden = model.blocks[0].mlp.fc1.out_features
-    if (keep_ratio is None) == (keep_channels is None):
-        raise ValueError("give exactly one of keep_ratio and keep_channels")
     if keep_channels is None:
+        if keep_ratio is None:
+            raise ValueError("give exactly one of keep_ratio and keep_channels")
         keep_channels = int(mlp_hidden * keep_ratio)
+    elif keep_ratio is not None:
+        raise ValueError("give exactly one of keep_ratio and keep_channels")
     keep_channels = max(multiple_of, keep_channels // multiple_of * multiple_of)
     if not 1 <= keep_channels <= mlp_hidden:
         raise ValueError(f"keep_channels={keep_channels}: the MLPs have {mlp_hidden} channels, choose 1..{mlp_hidden}")

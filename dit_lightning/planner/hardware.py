@@ -157,6 +157,7 @@ def peak_flops_for(device_name: str, dtype: Union[torch.dtype, str], tf32: bool 
     key = device_key(device_name)
     if key is None:
         return None
+    dkey: Optional[str]
     if isinstance(dtype, str):
         dkey = dtype
     else:

@@ -17,7 +17,7 @@ Everything is counted from the architecture, tensor by tensor, in bytes per GPU:
 The peak is the maximum over the phases of a step (end of forward, each block of the
 backward pass, optimiser step), because activations are freed while gradients appear.
 Validated against allocator-level measurements of real CPU training steps
-(``tests/test_planner.py``, ``docs/planner.md``).
+(``tests/planner/test_memory.py``, ``docs/planner.md``).
 """
 
 from __future__ import annotations
@@ -456,7 +456,7 @@ def plan_memory(
     phases["optimizer step"] = dict(gradients=grads_full, weights16=0, activations=0, temporaries=opt_tmp, working=0)
 
     totals = {name: base + sum(v.values()) for name, v in phases.items()}
-    peak_name = max(totals, key=totals.get)
+    peak_name = max(totals, key=totals.__getitem__)
     at = phases[peak_name]
     peak = totals[peak_name]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ..models.flops import shape_of, training_flops
 from ..precision import to_dtype
@@ -163,7 +163,7 @@ def recommend(
     steps: int = 400_000,
     price_per_gpu_hour: Optional[float] = None,
     top: int = 8,
-    **shape_kwargs,
+    **shape_kwargs: Any,
 ) -> Recommendation:
     """Recommend the fastest configuration of ``num_gpus`` GPUs that fits at ``global_batch``.
 
@@ -188,6 +188,8 @@ def recommend(
     depth = shape.depth
     skw = dict(latent_size=latent_size, **shape_kwargs)
 
+    precisions: list[Precision]
+    layouts: list[tuple[Strategy, Optional[Sharding]]]
     if precision is not None:
         precisions = [precision]
     else:
@@ -206,7 +208,7 @@ def recommend(
             f"micro-batch {micro_batch} does not divide the per-GPU batch {per_gpu} ({global_batch}/{num_gpus})"
         )
 
-    def memory(prec: str, strat: str, shard: Optional[str], mb: int, k: int) -> MemoryPlan:
+    def memory(prec: Precision, strat: Strategy, shard: Optional[Sharding], mb: int, k: int) -> MemoryPlan:
         return plan_memory(
             model,
             micro_batch=mb,

@@ -10,7 +10,7 @@ show). The module, the callbacks and the ``sample`` command all call :func:`samp
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -146,7 +146,9 @@ def sample_latents(
         raise ValueError(f"sampler must be 'ddpm' or 'ddim', got {sampler!r}")
     was_training = net.training
     net.eval()
-    common = dict(noise=x, clip_denoised=clip_denoised, model_kwargs={"y": y}, device=device, noise_fn=noise_fn)
+    common: dict[str, Any] = dict(
+        noise=x, clip_denoised=clip_denoised, model_kwargs={"y": y}, device=device, noise_fn=noise_fn
+    )
     try:
         if sampler == "ddpm":
             x = diffusion.p_sample_loop(fn, x.shape, **common)

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from dit_lightning.callbacks import GenerationMetrics
-from dit_lightning.data import LatentDataModule, prepare_digits
+from dit_lightning.data import LatentDataModule
 from dit_lightning.evaluation.digits import digits_metrics, uint8_digit_features
 from dit_lightning.evaluation.fid import InceptionWeightsMissing
-from dit_lightning.module import DiTModule
 from dit_lightning.images import to_uint8
+from dit_lightning.module import DiTModule
 from dit_lightning.sampling import parse_labels
 from tests.helpers.tiny_features import TinyFeatures
 
@@ -25,11 +25,6 @@ N, STEPS = 23, 3  # an odd count: the last batch is short
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-    return prepare_digits(str(tmp_path_factory.mktemp("digits") / "store"))
 
 
 def build(store: str, val_size: int = 32, **kw) -> tuple[DiTModule, LatentDataModule]:
@@ -79,7 +74,9 @@ def test_digits_metrics_are_those_of_the_keyed_samples_whatever_the_batching(tra
         assert results["test/digits_accuracy"] == pytest.approx(want["accuracy"])
         assert results["test/digits_fd_pixels"] == pytest.approx(want["frechet"]["fd_pixels"], rel=1e-5)
         assert results["test/digits_fd_svc"] == pytest.approx(want["frechet"]["fd_svc"], rel=1e-5)
-        assert results["test/digits_fd_pixels_real_baseline"] == pytest.approx(want["frechet"]["fd_pixels_real_baseline"], rel=1e-5)
+        assert results["test/digits_fd_pixels_real_baseline"] == pytest.approx(
+            want["frechet"]["fd_pixels_real_baseline"], rel=1e-5
+        )
 
 
 def test_fid_is_zero_against_the_same_samples_and_grows_against_others(trained, tmp_path):
@@ -87,13 +84,16 @@ def test_fid_is_zero_against_the_same_samples_and_grows_against_others(trained, 
     images, _ = sampled_images(module, N)
     same = tmp_path / "same.npz"
     np.savez(same, arr_0=np.repeat(images, 3, axis=-1))  # the ADM format: (N, H, W, 3) uint8
-    noisy = np.clip(images.astype(np.float64) + np.random.default_rng(0).normal(0, 60, images.shape), 0, 255).astype(np.uint8)
+    noisy = np.clip(images.astype(np.float64) + np.random.default_rng(0).normal(0, 60, images.shape), 0, 255).astype(
+        np.uint8
+    )
     other = tmp_path / "noisy.npz"
     np.savez(other, arr_0=np.repeat(noisy, 3, axis=-1))
     fids = {}
     for name, ref in (("same", same), ("noisy", other)):
         cb = GenerationMetrics(
-            metrics=["fid", "kid"], num_samples=N, labels="0-9", reference=str(ref), feature_extractor=TinyFeatures(channels=3),
+            metrics=["fid", "kid"], num_samples=N, labels="0-9", reference=str(ref),
+            feature_extractor=TinyFeatures(channels=3),
             cache_dir=str(tmp_path / "cache"), kid_subset_size=10, output=str(tmp_path / f"{name}-{{stage}}.json"),
         )  # fmt: skip
         results = trainer([cb]).test(module, dm, verbose=False)[0]
@@ -118,9 +118,17 @@ class CountBatches(L.Callback):
     "settings, error, match",
     [
         ({"metrics": ["fid"]}, ValueError, "reference"),
-        ({"metrics": ["fid"], "reference": "missing.npz", "feature_extractor": TinyFeatures(channels=3)}, FileNotFoundError, "missing.npz"),
+        (
+            {"metrics": ["fid"], "reference": "missing.npz", "feature_extractor": TinyFeatures(channels=3)},
+            FileNotFoundError,
+            "missing.npz",
+        ),
         ({"metrics": ["is"], "feature_extractor": TinyFeatures(channels=3)}, ValueError, "logits"),
-        ({"metrics": ["fid"], "reference": ".", "inception_weights": "nowhere/inception.pth"}, InceptionWeightsMissing, "--inception_weights"),
+        (
+            {"metrics": ["fid"], "reference": ".", "inception_weights": "nowhere/inception.pth"},
+            InceptionWeightsMissing,
+            "--inception_weights",
+        ),
         ({"metrics": ["digits"], "num_samples": 1}, ValueError, "num_samples"),
         ({"metrics": ["digits"], "labels": "3,12"}, ValueError, "outside the model's 10 classes"),
         ({"metrics": ["digits", "precision"]}, ValueError, "unknown metrics"),
@@ -135,7 +143,9 @@ def test_bad_settings_fail_before_the_first_test_batch(trained, settings, error,
 
 
 def test_digits_metric_refuses_a_latent_model(store):
-    module = DiTModule("custom", latent_shape=(4, 8, 8), num_classes=10, depth=1, hidden_size=32, num_heads=4, patch_size=2)
+    module = DiTModule(
+        "custom", latent_shape=(4, 8, 8), num_classes=10, depth=1, hidden_size=32, num_heads=4, patch_size=2
+    )
     with pytest.raises(ValueError, match="digits demo"):
         GenerationMetrics(metrics=["digits"]).check(module)
 
@@ -149,7 +159,9 @@ def test_test_without_a_held_out_split_says_how_to_get_one(store):
 def test_validate_stage_logs_a_curve_during_fit_but_not_in_the_sanity_check(store, tmp_path):
     module, dm = build(store)
     cb = GenerationMetrics(metrics=["digits"], num_samples=10, labels="0-9", stages=["validate"])
-    trainer([cb], tmp_path, max_steps=4, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=1).fit(module, dm)
+    trainer(
+        [cb], tmp_path, max_steps=4, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=1
+    ).fit(module, dm)
     with open(tmp_path / "metrics.csv") as f:
         steps = sorted(int(r["step"]) for r in csv.DictReader(f) if r.get("val/digits_accuracy"))
     assert steps == [1, 3]  # after optimiser steps 2 and 4 (logged at step - 1), none at step 0

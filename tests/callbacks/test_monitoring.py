@@ -15,12 +15,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from dit_lightning.callbacks.config_logger import TensorBoardConfigLogger
-from dit_lightning.callbacks.throughput import device_peak_flops
+from dit_lightning.callbacks.memory import GPUMemoryMonitor
+from dit_lightning.callbacks.throughput import DiTThroughputMonitor, device_peak_flops, window_metrics
+from dit_lightning.module import DiTModule
 from dit_lightning.planner.hardware import PEAK_FLOPS, device_key, peak_flops_for
 from dit_lightning.precision import to_dtype as precision_dtype
-from dit_lightning.callbacks.memory import GPUMemoryMonitor
-from dit_lightning.callbacks.throughput import DiTThroughputMonitor, window_metrics
-from dit_lightning.module import DiTModule
+from tests.helpers.training import TINY_MODULE
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "monitoring.md"
 
@@ -75,9 +75,7 @@ class SlowCollate:
 
 
 def tiny_module(**overrides) -> DiTModule:
-    kw = dict(model="custom", latent_shape=(1, 8, 8), num_classes=10, depth=2, hidden_size=32, num_heads=4, patch_size=2)
-    kw.update(overrides)
-    return DiTModule(**kw)
+    return DiTModule(**{**TINY_MODULE, **overrides})
 
 
 def fit(tmp_path, module, callbacks, max_steps=8, batch_size=16, collate=None, val_loader=None, **trainer_kw):
@@ -174,7 +172,17 @@ def test_progress_bar_summary_and_hparams(cpu_run):
     assert trainer.progress_bar_metrics["img/s"] > 0
     line = cpu_run["memory"].summary_line
     assert line is not None and line == cpu_run["throughput"].summary_line
-    for needle in ("img/s", "steps/s", "MFU", "HFU", "data wait", "peak CPU RSS", "batch 16x1x1=16", "depth=2", "32-true"):
+    for needle in (
+        "img/s",
+        "steps/s",
+        "MFU",
+        "HFU",
+        "data wait",
+        "peak CPU RSS",
+        "batch 16x1x1=16",
+        "depth=2",
+        "32-true",
+    ):
         assert needle in line, (needle, line)
     assert "\n" not in line
     ea = cpu_run["ea"]
@@ -221,8 +229,14 @@ def test_slow_loader_shows_as_data_wait_and_validation_does_not(tmp_path):
     fast = DiTThroughputMonitor(warmup_steps=0, prog_bar=False, summary=False)
     val_loader = DataLoader(Latents(16), batch_size=16, collate_fn=SlowCollate(0.4))
     _, log_dir = fit(  # validation after steps 2 and 4: right after a log, inside the next window
-        tmp_path / "val", tiny_module(ema=False), [fast], max_steps=4, val_loader=val_loader,
-        val_check_interval=2, check_val_every_n_epoch=None, limit_val_batches=1,
+        tmp_path / "val",
+        tiny_module(ema=False),
+        [fast],
+        max_steps=4,
+        val_loader=val_loader,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1,
     )
     s = scalars(read_events(log_dir))
     assert "val/loss" in s
@@ -348,7 +362,10 @@ trainer:
 """
     )
     LightningCLI(
-        DiTModule, TinyData, save_config_callback=TensorBoardConfigLogger, save_config_kwargs={"overwrite": True},
+        DiTModule,
+        TinyData,
+        save_config_callback=TensorBoardConfigLogger,
+        save_config_kwargs={"overwrite": True},
         args=["fit", "--config", str(config)],
     )
     ea = read_events(tmp_path / "cli")
@@ -369,12 +386,20 @@ def test_memory_max_over_ranks_and_per_rank_tags():
     def all_gather(row):  # rank 1 uses twice the memory of rank 0
         return torch.stack([row, 2 * row])
 
-    trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather))
+    trainer = SimpleNamespace(
+        world_size=2, strategy=SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather)
+    )
     monitor = GPUMemoryMonitor(per_rank=True)
     metrics = monitor._measure(trainer)
-    assert set(metrics) == {f"memory{r}/{n}" for r in ("", "/rank0", "/rank1") for n in ("cpu_rss_gib", "cpu_peak_rss_gib")}
+    assert set(metrics) == {
+        f"memory{r}/{n}" for r in ("", "/rank0", "/rank1") for n in ("cpu_rss_gib", "cpu_peak_rss_gib")
+    }
     for name in ("cpu_rss_gib", "cpu_peak_rss_gib"):
-        assert metrics[f"memory/{name}"] == metrics[f"memory/rank1/{name}"] == pytest.approx(2 * metrics[f"memory/rank0/{name}"])
+        assert (
+            metrics[f"memory/{name}"]
+            == metrics[f"memory/rank1/{name}"]
+            == pytest.approx(2 * metrics[f"memory/rank0/{name}"])
+        )
     assert monitor.fit_peaks["cpu_peak_rss_gib"] == metrics["memory/cpu_peak_rss_gib"]
     assert len(memory_row(torch.device("cpu"))) == len(CUDA_MEMORY_TAGS) + len(CPU_MEMORY_TAGS)
 
@@ -402,8 +427,11 @@ def test_cuda_memory_throughput_and_mfu(tmp_path):
     throughput = DiTThroughputMonitor()
     memory = GPUMemoryMonitor(per_rank=True)
     trainer, log_dir = fit(
-        tmp_path, tiny_module(activation_checkpointing="all"), [_SpikeAndOOM(), throughput, memory],
-        accelerator="gpu", precision="bf16-mixed",
+        tmp_path,
+        tiny_module(activation_checkpointing="all"),
+        [_SpikeAndOOM(), throughput, memory],
+        accelerator="gpu",
+        precision="bf16-mixed",
     )
     s = scalars(read_events(log_dir))
     missing = [t for t in THROUGHPUT_TAGS + CUDA_MEMORY_TAGS + CPU_MEMORY_TAGS if t not in s]
@@ -435,7 +463,9 @@ def test_cuda_memory_throughput_and_mfu(tmp_path):
 @needs_cuda
 def test_cuda_events_see_a_slow_loader(tmp_path):
     monitor = DiTThroughputMonitor(warmup_steps=1, prog_bar=False, summary=False)
-    _, log_dir = fit(tmp_path, tiny_module(ema=False), [monitor], max_steps=5, accelerator="gpu", collate=SlowCollate(0.1))
+    _, log_dir = fit(
+        tmp_path, tiny_module(ema=False), [monitor], max_steps=5, accelerator="gpu", collate=SlowCollate(0.1)
+    )
     waits = [v for _, v in scalars(read_events(log_dir))["throughput/data_wait_fraction"]]
     assert waits and min(waits) > 0.5, waits
     assert not math.isnan(monitor.fit_stats["images_per_sec"])

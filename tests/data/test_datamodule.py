@@ -28,8 +28,9 @@ SHAPE = (4, 4, 4)
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    return make_random_store(str(tmp_path_factory.mktemp("dm") / "s"), n=100, latent_shape=SHAPE, num_classes=5,
-                             shard_size=32)
+    return make_random_store(
+        str(tmp_path_factory.mktemp("dm") / "s"), n=100, latent_shape=SHAPE, num_classes=5, shard_size=32
+    )
 
 
 def _reference_x(store, idx, seed, epoch):
@@ -184,10 +185,18 @@ def _fit(path, ckpt_dir=None, ckpt_path=None):
 
     model = Recorder()
     dm = LatentDataModule(path, global_batch_size=8, num_workers=0, seed=2)
-    cbs = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, filename="{step}")] if ckpt_dir else []
+    cbs = (
+        [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, filename="{step}")] if ckpt_dir else []
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=bool(ckpt_dir), callbacks=cbs,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(ckpt_dir),
+        callbacks=cbs,
     )
     import warnings
 
@@ -249,8 +258,14 @@ def test_two_process_ddp_sees_the_single_process_batches(store, tmp_path):
     out = str(tmp_path / "ddp")
     os.makedirs(out)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, str(script), store.path, out], capture_output=True, text=True,
-                       timeout=240, env=env, cwd=str(tmp_path))
+    r = subprocess.run(
+        [sys.executable, str(script), store.path, out],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     seen = [json.load(open(os.path.join(out, f"rank{k}.json"))) for k in range(2)]
     # reference: one process, micro-batch 8 (= 16 / (1 device x 2 accumulation)), no trainer

@@ -91,7 +91,7 @@ def test_adm_crop_sizes():
 
 def _run_and_die(images: str, out: str, vae: str, exit_after: str) -> None:
     os.environ[EXIT_AFTER_ENV] = exit_after
-    extract_latents(images, out, vae=vae, **ARGS)
+    extract_latents(images, out, vae=vae, **ARGS)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("exit_after", ["1", "2+"])

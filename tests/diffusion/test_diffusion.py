@@ -236,12 +236,19 @@ def _hand_vb_bits(d: GaussianDiffusion, x0, noise, eps_hat, v, t: int) -> float:
         s = np.exp(0.5 * model_log_var)
         c = x0 - model_mean
         cdf_plus, cdf_min = _tanh_cdf((c + 1 / 255) / s), _tanh_cdf((c - 1 / 255) / s)
-        lp = np.where(x0 < -0.999, np.log(cdf_plus), np.where(x0 > 0.999, np.log(1 - cdf_min), np.log(cdf_plus - cdf_min)))
+        lp = np.where(
+            x0 < -0.999, np.log(cdf_plus), np.where(x0 > 0.999, np.log(1 - cdf_min), np.log(cdf_plus - cdf_min))
+        )
         return float(-lp.mean() / math.log(2))
     true_mean = c1 * x0 + c2 * xt
     true_log_var = min_log
-    kl = 0.5 * (-1 + model_log_var - true_log_var + np.exp(true_log_var - model_log_var)
-                + (true_mean - model_mean) ** 2 * np.exp(-model_log_var))
+    kl = 0.5 * (
+        -1
+        + model_log_var
+        - true_log_var
+        + np.exp(true_log_var - model_log_var)
+        + (true_mean - model_mean) ** 2 * np.exp(-model_log_var)
+    )
     return float(kl.mean() / math.log(2))
 
 
@@ -309,7 +316,9 @@ def test_learned_range_variance_interpolates():
     x = torch.randn(SHAPE, dtype=torch.float64)
     t = torch.tensor([0, 600])
     for value, table in [(1.0, np.log(d.betas)), (-1.0, d.posterior_log_variance_clipped)]:
-        out = d.p_mean_variance(lambda x, t: torch.cat([torch.zeros_like(x), torch.full_like(x, value)], 1), x, t)
+        out = d.p_mean_variance(
+            lambda x, t, value=value: torch.cat([torch.zeros_like(x), torch.full_like(x, value)], 1), x, t
+        )
         assert torch.allclose(out["log_variance"][:, 0, 0, 0], torch.tensor(table[[0, 600]]))
         assert torch.allclose(out["variance"], torch.exp(out["log_variance"]))
     assert set(out) == {"mean", "variance", "log_variance", "pred_xstart", "eps"}
@@ -492,8 +501,12 @@ def test_cosine_tables_closed_form():
         ab, ab_prev = _acp(d.betas, t), _acp(d.betas, t - 1)
         assert d.posterior_variance[t] == pytest.approx(d.betas[t] * (1 - ab_prev) / (1 - ab), rel=1e-9)
         assert d.posterior_mean_coef1[t] == pytest.approx(d.betas[t] * math.sqrt(ab_prev) / (1 - ab), rel=1e-9)
-        assert d.posterior_mean_coef2[t] == pytest.approx((1 - ab_prev) * math.sqrt(1 - d.betas[t]) / (1 - ab), rel=1e-9)
-    assert d.posterior_log_variance_clipped[0] == d.posterior_log_variance_clipped[1] == math.log(d.posterior_variance[1])
+        assert d.posterior_mean_coef2[t] == pytest.approx(
+            (1 - ab_prev) * math.sqrt(1 - d.betas[t]) / (1 - ab), rel=1e-9
+        )
+    assert (
+        d.posterior_log_variance_clipped[0] == d.posterior_log_variance_clipped[1] == math.log(d.posterior_variance[1])
+    )
     # At t = 999 the learned range spans log(beta) and the posterior's, which nearly coincide:
     # the variance head cannot matter there.
     assert abs(math.log(d.betas[999]) - d.posterior_log_variance_clipped[999]) < 1e-5
@@ -503,13 +516,17 @@ def test_cosine_tables_closed_form():
 def test_respaced_cosine_keeps_the_marginals(respacing):
     base, spaced = create_diffusion(noise_schedule="cosine"), create_diffusion(respacing, noise_schedule="cosine")
     kept = spaced.timestep_map
-    np.testing.assert_allclose(spaced.alphas_cumprod, base.alphas_cumprod[kept], rtol=1e-8, atol=0)  # 1 - (1 - a) rounds
+    np.testing.assert_allclose(
+        spaced.alphas_cumprod, base.alphas_cumprod[kept], rtol=1e-8, atol=0
+    )  # 1 - (1 - a) rounds
     prev = np.append(1.0, base.alphas_cumprod[kept][:-1])
     np.testing.assert_allclose(spaced.betas, 1 - base.alphas_cumprod[kept] / prev, rtol=1e-10, atol=0)
     assert spaced.betas[0] == base.betas[0] and (spaced.betas < 1).all()
 
 
-@pytest.mark.parametrize("respacing, sampler", [("250", "p_sample_loop"), ("100", "p_sample_loop"), ("100", "ddim_sample_loop")])
+@pytest.mark.parametrize(
+    "respacing, sampler", [("250", "p_sample_loop"), ("100", "p_sample_loop"), ("100", "ddim_sample_loop")]
+)
 def test_exact_denoiser_samples_the_data_under_cosine_unclipped(respacing, sampler):
     """Pixels independently -1 or +1: E[x0 | x_t] = tanh(sqrt(acp) x_t / (1 - acp)) exactly. With
     this denoiser every x_t of a correct sampler has unit variance (acp E[x0^2] + 1 - acp), even

@@ -1,4 +1,4 @@
-"""Distributed training runs of a tiny DiT on the digits store, for tests/test_distributed.py.
+"""Distributed training runs of a tiny DiT on the digits store, for tests/distributed/test_distributed.py.
 
 Launched as a plain script, ``python tests/distributed/parity.py --data D --out O``: the first
 ``Trainer(devices=2)`` starts the second rank itself (Lightning's subprocess launcher re-runs
@@ -32,10 +32,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from dit_lightning.callbacks import GenerationMetrics  # noqa: E402
-from dit_lightning.plugins import AtomicCheckpointIO  # noqa: E402
 from dit_lightning.data import LatentDataModule  # noqa: E402
 from dit_lightning.distributed import DiTDDPStrategy, DiTFSDP2Strategy, full_state_dict, is_fsdp2  # noqa: E402
 from dit_lightning.module import DiTModule  # noqa: E402
+from dit_lightning.plugins import AtomicCheckpointIO  # noqa: E402
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*predefined device mesh.*")
@@ -50,7 +50,7 @@ GENERATED = 21  # samples `test` measures: odd, so the ranks' shares differ and 
 def test_generation(trainer_: L.Trainer, module: DiTModule, dm: LatentDataModule) -> dict[str, Any]:
     """`test` with the digits metrics of GENERATED keyed samples, sampled over all ranks."""
     metrics = GenerationMetrics(metrics=["digits"], num_samples=GENERATED, labels="0-9", batch_size=4)
-    trainer_.callbacks.append(metrics)
+    trainer_.callbacks.append(metrics)  # type: ignore[attr-defined]  # set by the callback connector
     logged_ = trainer_.test(module, dm, verbose=False)[0]
     return {"logged": logged_, "details": metrics.last}
 
@@ -85,8 +85,16 @@ def build(data: str, seed: int = 0, optimizer: str = "adamw") -> tuple[DiTModule
     return module, dm
 
 
-def trainer(out: Path, name: str, strategy: Any = "auto", devices: int = 1, num_nodes: int = 1, callbacks=(),
-            accelerator: str = "cpu", **kw) -> L.Trainer:
+def trainer(
+    out: Path,
+    name: str,
+    strategy: Any = "auto",
+    devices: int = 1,
+    num_nodes: int = 1,
+    callbacks=(),
+    accelerator: str = "cpu",
+    **kw,
+) -> L.Trainer:
     return L.Trainer(
         accelerator=accelerator,
         devices=devices,
@@ -123,11 +131,14 @@ def logged(out: Path, name: str) -> dict[str, dict[int, float]]:
 
 def dump(trainer_: L.Trainer, module: DiTModule, out: Path, name: str, **facts: Any) -> None:
     """Gather the weights (a collective under FSDP: every rank calls it), write them on rank 0."""
-    state = {"model": full_state_dict(module.model), "ema": full_state_dict(module.ema)}
+    assert module.ema is not None
+    state: dict[str, Any] = {"model": full_state_dict(module.model), "ema": full_state_dict(module.ema)}
     # sampling from the (sharded) EMA is a collective too: with and without guidance
     state["samples"] = torch.cat([module.sample([1, 2], num_steps=2, cfg_scale=c, seed=0) for c in (1.0, 2.0)]).cpu()
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.model.parameters())
-    facts.setdefault("ema_local_numel", sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.ema.parameters()))
+    facts.setdefault(
+        "ema_local_numel", sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.ema.parameters())
+    )
     full = sum(v.numel() for v in state["model"].values())
     if trainer_.global_rank == 0:
         state.update(
@@ -149,8 +160,15 @@ def run_ddp(args: argparse.Namespace, name: str = "ddp", accumulate: int = 1, st
     t = trainer(args.out, name, strategy, args.devices, args.num_nodes, accumulate_grad_batches=accumulate)
     t.fit(module, dm)
     generation = test_generation(t, module, dm) if name == "ddp" else None
-    dump(t, module, args.out, name, static_graph=t.strategy._ddp_kwargs["static_graph"], micro_batch=dm.micro_batch_size,
-         generation=generation)
+    dump(
+        t,
+        module,
+        args.out,
+        name,
+        static_graph=t.strategy._ddp_kwargs["static_graph"],  # type: ignore[attr-defined]
+        micro_batch=dm.micro_batch_size,
+        generation=generation,
+    )
 
 
 def run_ddp_accum(args: argparse.Namespace) -> None:
@@ -158,20 +176,36 @@ def run_ddp_accum(args: argparse.Namespace) -> None:
     run_ddp(args, "ddp_accum", accumulate=2, static_graph=True)
 
 
-def _fsdp2(args: argparse.Namespace, name: str, ckpt_path: Optional[str] = None, clip: Optional[float] = None,
-           save_every: Optional[int] = None, **options: Any) -> None:
+def _fsdp2(
+    args: argparse.Namespace,
+    name: str,
+    ckpt_path: Optional[str] = None,
+    clip: Optional[float] = None,
+    save_every: Optional[int] = None,
+    **options: Any,
+) -> None:
     module, dm = build(args.data, optimizer="sgd" if clip else "adamw")
     strategy = DiTFSDP2Strategy(process_group_backend="gloo", **options)
     callbacks = []
     if save_every:
-        callbacks.append(ModelCheckpoint(dirpath=str(args.out / name / "ckpt"), every_n_train_steps=save_every, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=str(args.out / name / "ckpt"), every_n_train_steps=save_every, save_top_k=-1)
+        )
     kw = {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm"} if clip else {}
-    t = trainer(args.out, name, strategy, args.devices, args.num_nodes, callbacks=callbacks, **kw)
+    t = trainer(args.out, name, strategy, args.devices, args.num_nodes, callbacks=callbacks, **kw)  # type: ignore[arg-type]
     t.fit(module, dm, ckpt_path=ckpt_path)
     generation = test_generation(t, module, dm) if name == "fsdp2" else None  # sampling is a collective here
     p = next(module.model.parameters())
-    dump(t, module, args.out, name, param_dtype=str(p.dtype), placements=str(getattr(p, "placements", None)),
-         mesh=str(getattr(p, "device_mesh", None)), generation=generation)
+    dump(
+        t,
+        module,
+        args.out,
+        name,
+        param_dtype=str(p.dtype),
+        placements=str(getattr(p, "placements", None)),
+        mesh=str(getattr(p, "device_mesh", None)),
+        generation=generation,
+    )
 
 
 def run_fsdp2(args: argparse.Namespace) -> None:
@@ -195,8 +229,14 @@ def run_hsdp(args: argparse.Namespace) -> None:
     _fsdp2(args, "hsdp", hybrid_shard_size=1)  # 2 replicas of a 1-rank shard group
 
 
-def _fsdp1(args: argparse.Namespace, name: str, ckpt_path: Optional[str] = None, clip: Optional[float] = None,
-           save_every: Optional[int] = None, **options: Any) -> None:
+def _fsdp1(
+    args: argparse.Namespace,
+    name: str,
+    ckpt_path: Optional[str] = None,
+    clip: Optional[float] = None,
+    save_every: Optional[int] = None,
+    **options: Any,
+) -> None:
     """FSDP1 (Lightning's FSDPStrategy): GPU only."""
     from dit_lightning.distributed import DiTFSDPStrategy
 
@@ -204,10 +244,13 @@ def _fsdp1(args: argparse.Namespace, name: str, ckpt_path: Optional[str] = None,
     strategy = DiTFSDPStrategy(**options)
     callbacks = []
     if save_every:
-        callbacks.append(ModelCheckpoint(dirpath=str(args.out / name / "ckpt"), every_n_train_steps=save_every, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=str(args.out / name / "ckpt"), every_n_train_steps=save_every, save_top_k=-1)
+        )
     kw = {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm"} if clip else {}
     t = trainer(args.out, name, strategy, args.devices, args.num_nodes, callbacks=callbacks, accelerator="gpu", **kw)
     t.fit(module, dm, ckpt_path=ckpt_path)
+    assert module.ema is not None
     dump(t, module, args.out, name, ema_local_numel=sum(p.numel() for p in module.ema.parameters()))
 
 
@@ -238,11 +281,13 @@ CPU_RUNS = ",".join(RUNS)
 RUNS.update(GPU_RUNS)
 
 
-def reference(data: str, out: Path, name: str = "single", clip: Optional[float] = None, accelerator: str = "cpu") -> tuple[DiTModule, L.Trainer]:
+def reference(
+    data: str, out: Path, name: str = "single", clip: Optional[float] = None, accelerator: str = "cpu"
+) -> tuple[DiTModule, L.Trainer]:
     """The same training in one process with the whole global batch (micro-batch 16)."""
     module, dm = build(data, optimizer="sgd" if clip else "adamw")
     kw = {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm"} if clip else {}
-    t = trainer(out, name, accelerator=accelerator, **kw)
+    t = trainer(out, name, accelerator=accelerator, **kw)  # type: ignore[arg-type]
     t.fit(module, dm)
     return module, t
 
@@ -259,7 +304,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     torch.set_num_threads(1)
     for name in args.runs.split(","):
         RUNS[name](args)
-    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0 and int(os.environ.get("NODE_RANK", "0") or 0) == 0:
+    if (
+        int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0
+        and int(os.environ.get("NODE_RANK", "0") or 0) == 0
+    ):
         (args.out / "done").write_text(args.runs)
 
 

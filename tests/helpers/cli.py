@@ -1,9 +1,53 @@
-"""Callbacks used by CLI tests in subprocesses (importable as tests.helpers.cli)."""
+"""Running ``dit-lightning`` in subprocesses (importable as tests.helpers.cli): the demo config
+shrunk for tests, the command lines of short ``fit`` runs, and callbacks the subprocesses load by
+dotted path (``--trainer.callbacks+=tests.helpers.cli.KillAtStep``)."""
+
+from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "configs" / "demo.yaml")
+# The demo's model and data shrunk so a fit takes seconds.
+TINY = [
+    "--model.depth", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
+    "--data.global_batch_size", "32", "--data.val_size", "64",
+    "--trainer.callbacks=[]", "--trainer.log_every_n_steps", "1", "--trainer.enable_model_summary", "false",
+    "--trainer.enable_progress_bar", "false",
+]  # fmt: skip
+
+
+def run_cli(args, tmp_path, check=True):
+    """``python -m dit_lightning.cli ARGS`` in ``tmp_path``; raises with the output's tail if it fails and ``check``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dit_lightning.cli", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def fit_args(tmp_path, name, steps, extra=()):
+    """A ``fit`` of the shrunk demo on ``tmp_path/digits`` for ``steps`` steps, logging CSV and
+    checkpointing every 4 steps under ``tmp_path/name``."""
+    out = tmp_path / name
+    return [
+        "fit", "--config", DEMO, *TINY,
+        "--data.path", str(tmp_path / "digits"),
+        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "1000",
+        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir", str(out), "--trainer.logger.name", "", "--trainer.logger.version", "",
+        "--checkpoint.dirpath", str(out / "ckpt"), "--checkpoint.every_n_train_steps", "4",
+        *extra,
+    ]  # fmt: skip
 
 
 class KillAtStep(L.Callback):

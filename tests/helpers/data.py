@@ -36,7 +36,7 @@ def make_image_folder(root: str, with_bad: bool = True, seed: int = 0) -> dict[s
     def rand_rgb(w: int, h: int) -> Any:
         # smooth-ish content so the JPEG codec and the crop have something real to chew on
         base = rng.integers(0, 256, size=(h // 4 + 1, w // 4 + 1, 3), dtype=np.uint8)
-        return Image.fromarray(base).resize((w, h), Image.BILINEAR)
+        return Image.fromarray(base).resize((w, h), Image.Resampling.BILINEAR)
 
     for c, cls in enumerate(["cls_a", "cls_b", "cls_c"]):
         d = os.path.join(root, cls)
@@ -63,16 +63,14 @@ def make_image_folder(root: str, with_bad: bool = True, seed: int = 0) -> dict[s
             kinds[f"{cls}/cmyk.JPEG"] = "converted"
             rand_rgb(36, 36).convert("L").save(os.path.join(d, "gray.JPEG"), format="JPEG")
             kinds[f"{cls}/gray.JPEG"] = "converted"
-            Image.fromarray(rng.integers(0, 256, (9, 12, 3), dtype=np.uint8)).save(
-                os.path.join(d, "tiny.png")
-            )
+            Image.fromarray(rng.integers(0, 256, (9, 12, 3), dtype=np.uint8)).save(os.path.join(d, "tiny.png"))
             kinds[f"{cls}/tiny.png"] = "converted"
         else:
             rgba = np.array(rand_rgb(40, 40).convert("RGBA"))
             rgba[:20, :, 3] = 0  # transparent top half
             Image.fromarray(rgba, "RGBA").save(os.path.join(d, "alpha.png"))
             kinds[f"{cls}/alpha.png"] = "converted"
-            p = rand_rgb(40, 40).convert("P", palette=Image.ADAPTIVE, colors=16)
+            p = rand_rgb(40, 40).convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
             p.save(os.path.join(d, "palette.png"), transparency=0)
             kinds[f"{cls}/palette.png"] = "converted"
     return kinds
@@ -81,7 +79,7 @@ def make_image_folder(root: str, with_bad: bool = True, seed: int = 0) -> dict[s
 def make_tiny_vae(path: str, latent_channels: int = 4, seed: int = 0) -> str:
     """Save a randomly initialised, tiny ``AutoencoderKL`` (downsampling 2) with save_pretrained."""
     import torch
-    from diffusers import AutoencoderKL
+    from diffusers.models import AutoencoderKL
 
     torch.manual_seed(seed)
     vae = AutoencoderKL(

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from dit_lightning.models import DIT_CONFIGS, DiT, build_dit, dit_macs, dit_params, resolve_checkpoint_blocks, shape_of
-
-from ..conftest import tiny_dit_kwargs
+from tests.helpers.models import randomize, tiny_dit_kwargs
 from tests.helpers.reference_forward import reference_forward
 
 # REFERENCE.md section 1: parameters including pos_embed, 256px (32x32 latents), 1000 classes.
@@ -31,15 +30,6 @@ PUBLISHED_GMACS = {
     "DiT-XL/4": 29.05,
     "DiT-XL/2": 118.64,
 }
-
-
-def randomize(model: DiT) -> DiT:
-    """Give the zero-initialised layers values so outputs exercise every path."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name != "pos_embed":
-                p.normal_(0, 0.2)
-    return model
 
 
 def test_registry_has_all_twelve_configurations():

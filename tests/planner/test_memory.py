@@ -1,15 +1,13 @@
-"""The resource planner: the memory model against real CPU training steps, and the --fit logic."""
+"""The planner's memory model: predictions against the measured peak of real CPU training steps,
+the saved-tensor terms per block, static state, mixed precision, budgets and sharding."""
 
 import contextlib
-import io
-import json
 
 import pytest
 import torch
 
 from dit_lightning.models import build_dit, dit_params, shape_of
-from dit_lightning.commands.plan import plan
-from dit_lightning.planner import GiB, block_activation_terms, param_counts, plan_memory, recommend
+from dit_lightning.planner import GiB, block_activation_terms, param_counts, plan_memory, state_per_device
 from dit_lightning.planner.measure import TrainingStep, cpu_allocator_peak, measure_cpu_step_peak
 
 SMALL = dict(depth=3, hidden_size=96, num_heads=4, patch_size=2, num_classes=10)
@@ -26,11 +24,21 @@ def _measured_and_planned(latent=16, batch=8, ckpt="none", attention="auto", pre
         attention_backend="math" if attention == "math" else "auto",
         **kw,
     )
-    batch_ = {"x": torch.randn(batch, 4, latent, latent), "y": torch.randint(0, kw["num_classes"], (batch,)), "index": torch.arange(batch)}
+    batch_ = {
+        "x": torch.randn(batch, 4, latent, latent),
+        "y": torch.randint(0, kw["num_classes"], (batch,)),
+        "index": torch.arange(batch),
+    }
     measured = measure_cpu_step_peak(TrainingStep(module, batch_, precision))
     planned = plan_memory(
-        "custom", latent_size=latent, micro_batch=batch, precision=precision, activation_checkpointing=ckpt,
-        attention=attention, device="cpu", **kw,
+        "custom",
+        latent_size=latent,
+        micro_batch=batch,
+        precision=precision,
+        activation_checkpointing=ckpt,
+        attention=attention,
+        device="cpu",
+        **kw,
     )
     return measured, planned
 
@@ -48,7 +56,11 @@ def _measured_and_planned(latent=16, batch=8, ckpt="none", attention="auto", pre
 )
 def test_prediction_matches_measured_peak_of_a_real_step(case):
     measured, planned = _measured_and_planned(**case)
-    assert planned.peak_allocated == pytest.approx(measured, rel=0.15), (planned.peak_phase, measured, planned.peak_allocated)
+    assert planned.peak_allocated == pytest.approx(measured, rel=0.15), (
+        planned.peak_phase,
+        measured,
+        planned.peak_allocated,
+    )
 
 
 def test_block_activation_terms_are_the_tensors_autograd_saves():
@@ -56,7 +68,11 @@ def test_block_activation_terms_are_the_tensors_autograd_saves():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model = build_dit("custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10)
-    block, shape, n = model.blocks[0], shape_of("custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10), 2
+    block, shape, n = (
+        model.blocks[0],
+        shape_of("custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10),
+        2,
+    )
     param_ptrs = {p.untyped_storage().data_ptr() for p in block.parameters()}
     for attention, amp in [("flash", None), ("math", None), ("flash", torch.bfloat16)]:
         x = torch.randn(n, shape.tokens, 64, requires_grad=True)
@@ -64,7 +80,7 @@ def test_block_activation_terms_are_the_tensors_autograd_saves():
         saved: dict[int, int] = {}
         weights16 = 0
 
-        def pack(t):
+        def pack(t, saved=saved):
             storage = t.untyped_storage()
             if storage.data_ptr() not in param_ptrs:
                 saved[storage.data_ptr()] = storage.nbytes()
@@ -126,37 +142,6 @@ def test_fits_follows_the_budget():
     assert plan_memory("DiT-XL/2", micro_batch=32).fits is None  # no budget given
 
 
-def test_fit_picks_the_minimum_number_of_checkpointed_blocks_and_is_monotonic():
-    ks = []
-    for gib in (17, 18, 20, 22, 24, 28, 32, 48):
-        rec = recommend("DiT-XL/2", gpu="a100-80gb", memory_gib=gib, micro_batch=32, precision="bf16-mixed", global_batch=256)
-        assert rec.feasible
-        k = rec.checkpointed_blocks
-        ks.append(k)
-        kw = dict(micro_batch=32, precision="bf16-mixed", memory_gib=gib, accumulate_grad_batches=8, ddp_gradient_as_bucket_view=True)
-        assert plan_memory("DiT-XL/2", activation_checkpointing=k, **kw).fits
-        if k > 0:  # one block fewer does not fit: the minimum
-            assert not plan_memory("DiT-XL/2", activation_checkpointing=k - 1, **kw).fits
-    assert ks == sorted(ks, reverse=True)  # more memory, fewer recomputed blocks
-    assert ks[0] > 0 and ks[-1] == 0 and 0 < ks[2] < 28  # selective, not all-or-nothing
-
-
-@pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
-def test_fit_divides_the_global_batch_exactly(gpus):
-    global_batch = 240 if gpus == 3 else 256
-    rec = recommend("DiT-XL/2", gpu="rtx4090", num_gpus=gpus, global_batch=global_batch)
-    assert rec.micro_batch * gpus * rec.accumulate_grad_batches == global_batch
-    for c in rec.alternatives:
-        assert c.micro_batch * gpus * c.accumulate_grad_batches == global_batch
-
-
-def test_fit_rejects_an_indivisible_global_batch():
-    with pytest.raises(ValueError, match="divisible"):
-        recommend("DiT-XL/2", gpu="a100-80gb", num_gpus=3, global_batch=256)
-    with pytest.raises(ValueError, match="does not divide"):
-        recommend("DiT-XL/2", gpu="a100-80gb", num_gpus=2, global_batch=256, micro_batch=48)
-
-
 def test_fsdp_shards_the_static_state_by_the_world_size():
     one = plan_memory("DiT-XL/2", micro_batch=8, world_size=1)
     for world in (2, 4, 8):
@@ -170,35 +155,22 @@ def test_fsdp_shards_the_static_state_by_the_world_size():
     assert ddp.communication_buffers == 4 * param_counts(shape_of("DiT-XL/2"))["trainable"]  # bucket copy
 
 
-def test_fit_estimates_time_and_cost():
-    rec = recommend("DiT-XL/2", gpu="a100-80gb", num_gpus=4, steps=1000, price_per_gpu_hour=2.0)
-    assert rec.feasible and rec.memory.fits
-    assert rec.cost == pytest.approx(rec.hours * 4 * 2.0)
-    assert rec.hours == pytest.approx(1000 * rec.step_time_s / 3600)
-    # the upper bound at 100% utilisation of 4 A100s (useful FLOPs only)
-    assert rec.images_per_s < 4 * 312e12 / 712e9
-    slow = recommend("DiT-XL/2", gpu="a100-80gb", num_gpus=4, mfu=0.1, precision="bf16-mixed")
-    assert slow.images_per_s < rec.images_per_s
-
-
-def _run_plan(**kw) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        plan(**kw)
-    return out.getvalue()
-
-
-def test_json_output_parses():
-    data = json.loads(_run_plan(model="DiT-XL/2", micro_batch=32, gpu="rtx4090", format="json"))
-    assert data["fits"] is False and data["total"] > data["peak_allocated"] > data["static"]
-    assert set(data["activations_per_block"]) >= {"qkv output (q, k, v views)", "fc1 output (GELU)"}
-    fit = json.loads(_run_plan(model="DiT-XL/2", gpu="rtx4090", world_size=2, fit=True, format="json"))
-    assert fit["micro_batch"] * 2 * fit["accumulate_grad_batches"] == 256
-    assert fit["memory"]["fits"] is True
-
-
-def test_table_output_renders():
-    text = _run_plan(model="DiT-B/2", micro_batch=64, gpu="l40s", format="table")
-    assert "activations" in text and "fits" in text
-    text = _run_plan(model="DiT-XL/2", gpu="rtx4090", fit=True, price_per_gpu_hour=0.5)
-    assert "candidates" in text and "dit-lightning fit" in text
+def test_state_per_device_shards_as_documented():
+    """The planner's static state per device (docs/distributed.md's table) for each layout."""
+    n = dit_params(shape_of("DiT-XL/2"))
+    ddp = state_per_device("DiT-XL/2", 8, "ddp")
+    full = state_per_device("DiT-XL/2", 8, "fsdp", "FULL_SHARD")
+    zero2 = state_per_device("DiT-XL/2", 8, "fsdp", "SHARD_GRAD_OP")
+    hybrid = state_per_device("DiT-XL/2", 32, "fsdp", "FULL_SHARD", shard_group=8)
+    assert abs(ddp["params"] - 4 * n / 1024**3) < 1e-9 and abs(ddp["total"] - 20 * n / 1024**3) < 0.01
+    assert ddp["gathered"] == 0
+    state = ("params", "grads", "optimizer", "ema")
+    assert abs(sum(full[k] for k in state) - sum(ddp[k] for k in state) / 8) < 0.01
+    # SHARD_GRAD_OP shards the state like FULL_SHARD but keeps the whole model gathered (bf16)
+    assert all(zero2[k] == full[k] for k in state) and abs(zero2["gathered"] - 2 * n / 1024**3) < 1e-9
+    assert full["gathered"] < zero2["gathered"] / 5
+    assert hybrid == full
+    # the planner's peak uses exactly this state
+    plan = plan_memory("DiT-XL/2", world_size=8, strategy="fsdp", sharding="FULL_SHARD", micro_batch=1)
+    assert plan.optimizer_states / 1024**3 == pytest.approx(full["optimizer"])
+    assert plan.ema_weights / 1024**3 == pytest.approx(full["ema"])

@@ -1,14 +1,12 @@
 """FID / KID / IS plumbing with a tiny feature extractor (no Inception download possible here),
-the cached reference statistics, the missing-weights error, and the digits demo's metrics."""
-
-import json
-import os
+the cached reference statistics and the missing-weights error."""
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dit_lightning.commands.evaluate import evaluate
 from dit_lightning.evaluation.fid import (
     INCEPTION_WEIGHTS_URL,
     FeatureStats,
@@ -20,9 +18,7 @@ from dit_lightning.evaluation.fid import (
     image_batches,
     reference_stats,
 )
-from dit_lightning.commands.evaluate import evaluate
 from tests.helpers.tiny_features import TinyFeatures
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,7 +27,13 @@ def smooth_images(n=80, size=16, seed=0):
     """uint8 (n, size, size, 3): random low-frequency colour patterns."""
     g = torch.Generator().manual_seed(seed)
     low = torch.rand(n, 3, 4, 4, generator=g)
-    return (F.interpolate(low, size=size, mode="bilinear", align_corners=False) * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    return (
+        (F.interpolate(low, size=size, mode="bilinear", align_corners=False) * 255)
+        .round()
+        .byte()
+        .permute(0, 2, 3, 1)
+        .numpy()
+    )
 
 
 def write_folder(path, images):
@@ -52,19 +54,27 @@ def test_fid_against_itself_is_zero_and_grows_with_noise(tmp_path):
     images = smooth_images()
     real = write_folder(tmp_path / "real", images)
     ext = TinyFeatures()
-    same = compute_metrics(write_npz(tmp_path / "same.npz", images), real, feature_extractor=ext, cache_dir=tmp_path / "c")
+    same = compute_metrics(
+        write_npz(tmp_path / "same.npz", images), real, feature_extractor=ext, cache_dir=tmp_path / "c"
+    )
     assert same["num_samples"] == same["num_reference"] == 80
     assert abs(same["fid"]) < 1e-4
     rng = np.random.default_rng(0)
     fids = []
     for sigma in (10, 40, 120):
         noisy = np.clip(images + rng.normal(0, sigma, images.shape), 0, 255).astype(np.uint8)
-        fids.append(compute_metrics(write_npz(tmp_path / f"n{sigma}.npz", noisy), real, feature_extractor=ext, cache_dir=tmp_path / "c")["fid"])
+        fids.append(
+            compute_metrics(
+                write_npz(tmp_path / f"n{sigma}.npz", noisy), real, feature_extractor=ext, cache_dir=tmp_path / "c"
+            )["fid"]
+        )
     assert 1e-3 < fids[0] < fids[1] < fids[2]
     # torchmetrics' FID (fed our cached reference statistics) agrees with a direct computation
     f_real = extract_features(ext, image_batches(real)).astype(np.float64)
     f_fake = extract_features(ext, image_batches(tmp_path / "n120.npz")).astype(np.float64)
-    direct = frechet_distance(f_fake.mean(0), np.cov(f_fake, rowvar=False), f_real.mean(0), np.cov(f_real, rowvar=False))
+    direct = frechet_distance(
+        f_fake.mean(0), np.cov(f_fake, rowvar=False), f_real.mean(0), np.cov(f_real, rowvar=False)
+    )
     assert fids[2] == pytest.approx(direct, rel=1e-4)
 
 
@@ -95,13 +105,22 @@ def test_precomputed_mu_sigma_files_are_used_as_they_are(tmp_path):
     adm_style = tmp_path / "VIRTUAL_ref.npz"
     np.savez(adm_style, mu=stats.mu, sigma=stats.sigma)  # ADM reference batches: mu, sigma (no count)
     assert FeatureStats.load(adm_style).num_samples == 50_000
-    assert compute_metrics(fake, adm_style, feature_extractor=ext, cache_dir=None)["fid"] == pytest.approx(from_images, rel=1e-6)
+    assert compute_metrics(fake, adm_style, feature_extractor=ext, cache_dir=None)["fid"] == pytest.approx(
+        from_images, rel=1e-6
+    )
 
 
 def test_kid_with_a_custom_extractor_and_is_needs_inception(tmp_path):
     real = write_folder(tmp_path / "real", smooth_images(60))
     fake = write_npz(tmp_path / "fake.npz", smooth_images(60, seed=2))
-    out = compute_metrics(fake, real, metrics=["fid", "kid"], feature_extractor=TinyFeatures(), cache_dir=tmp_path / "c", kid_subset_size=20)
+    out = compute_metrics(
+        fake,
+        real,
+        metrics=["fid", "kid"],
+        feature_extractor=TinyFeatures(),
+        cache_dir=tmp_path / "c",
+        kid_subset_size=20,
+    )
     assert np.isfinite(out["kid"]) and out["kid_std"] >= 0 and out["fid"] > 0
     with pytest.raises(ValueError, match="logits"):
         compute_metrics(fake, metrics=["is"], feature_extractor=TinyFeatures())
@@ -115,7 +134,13 @@ def test_missing_inception_weights_say_how_to_get_them(tmp_path, monkeypatch):
     with pytest.raises(InceptionWeightsMissing) as e:
         find_inception_weights()
     msg = str(e.value)
-    for needle in (INCEPTION_WEIGHTS_URL, "weights-inception-2015-12-05-6726825d.pth", "pt_inception-2015-12-05-6726825d.pth", "--inception_weights", "DIT_INCEPTION_WEIGHTS"):
+    for needle in (
+        INCEPTION_WEIGHTS_URL,
+        "weights-inception-2015-12-05-6726825d.pth",
+        "pt_inception-2015-12-05-6726825d.pth",
+        "--inception_weights",
+        "DIT_INCEPTION_WEIGHTS",
+    ):
         assert needle in msg
     with pytest.raises(InceptionWeightsMissing, match="does not exist"):
         find_inception_weights(str(tmp_path / "nope.pth"))
@@ -140,40 +165,3 @@ def test_inception_loads_offline_from_a_weights_path(tmp_path, monkeypatch):
     assert not ext.antialias and ext.identity().endswith("antialias=False")
     out = ext(torch.from_numpy(smooth_images(2, size=32)).permute(0, 3, 1, 2).contiguous())
     assert out.shape == (2, 2048 + 1008) and torch.isfinite(out).all()
-
-
-def test_digits_frechet_distance_and_accuracy_on_real_digits():
-    from sklearn.datasets import load_digits
-
-    from dit_lightning.evaluation.digits import digits_frechet, digits_metrics
-
-    d = load_digits()
-    x, y = d.data / 16.0, d.target
-    pick = np.random.default_rng(1).permutation(len(x))[:300]
-    real = digits_metrics(x[pick], y[pick])
-    assert real["accuracy"] > 0.95
-    fr = real["frechet"]
-    # real digits sit near the finite-sample floor; noise and blur move away from it
-    assert fr["fd_pixels"] < 2 * fr["fd_pixels_real_baseline"] + 0.1
-    noisy = digits_frechet(np.clip(x[pick] + np.random.default_rng(0).normal(0, 0.3, x[pick].shape), 0, 1))
-    assert noisy["fd_pixels"] > 3 * fr["fd_pixels"] and noisy["fd_svc"] > fr["fd_svc"]
-
-
-def test_evaluate_samples_then_measures_against_a_store(tmp_path):
-    from dit_lightning.data import prepare_digits
-    from dit_lightning.models import DiT
-
-    store = prepare_digits(str(tmp_path / "digits"))
-    torch.manual_seed(0)
-    net = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=64, depth=1, num_heads=1, num_classes=10)
-    ckpt = tmp_path / "raw.pt"
-    torch.save(net.state_dict(), ckpt)
-    out = evaluate(
-        str(ckpt), str(tmp_path / "eval"), reference=store, num_samples=12, metrics=["fid", "digits"], feature_extractor=TinyFeatures(),
-        cache_dir=str(tmp_path / "cache"), labels="0-9", num_steps=4, device="cpu", progress=False, max_reference=200,
-    )  # fmt: skip
-    assert out["num_samples"] == 12 and out["num_reference"] == 200 and out["fid"] > 0
-    assert out["digits"]["samples"] == 12 and "fd_svc" in out["digits"]["frechet"]
-    saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert saved["fid"] == pytest.approx(out["fid"]) and saved["sampling"]["num_steps"] == 4
-    assert os.path.exists(tmp_path / "eval" / "samples.npz")

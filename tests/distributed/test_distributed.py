@@ -1,9 +1,11 @@
 """Distributed training: DDP, FSDP2 (ModelParallelStrategy), HSDP, sharded EMA, sharded
 checkpoints and their consolidation, against the same training in one process.
 
-The distributed runs happen in subprocesses (tests/distributed/parity.py): one 2-process job
+The distributed runs happen in subprocesses (parity.py, next to this file): one 2-process job
 (Lightning's own launcher, single node) and one 2-node x 1-process job (two torchrun agents),
-started together by a module fixture while this process trains the 1-process references.
+started together by the module fixture ``runs`` while this process trains the 1-process
+references. Every test that reads those runs stays in this file, so they happen once.
+(``store``, the digits store, comes from tests/conftest.py.)
 """
 
 from __future__ import annotations
@@ -14,24 +16,26 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from dit_lightning.checkpoints import infer_dit_config, is_sharded_checkpoint, load_dit_weights, read_checkpoint
 from dit_lightning.commands.consolidate import consolidate
-from dit_lightning.planner import plan_memory, state_per_device
-from dit_lightning.models import DiT, dit_params, shape_of
+from dit_lightning.models import DiT
 from tests.distributed import parity
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "distributed" / "parity.py")
 TIMEOUT = 420
 ATOL = 1e-6  # float32 reduction-order differences after 4 steps are ~3e-8; the updates are ~4e-3
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT")
+    }
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return env
 
@@ -49,7 +53,7 @@ def _wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], deadline: f
         except subprocess.TimeoutExpired:
             for p in procs.values():
                 p.kill()
-            raise AssertionError(f"{name} timed out\n{logs[name].read_text()[-4000:]}")
+            raise AssertionError(f"{name} timed out\n{logs[name].read_text()[-4000:]}") from None
         if rc != 0:
             for p in procs.values():
                 if p.poll() is None:
@@ -57,21 +61,16 @@ def _wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], deadline: f
             raise AssertionError(f"{name} exited with {rc}\n{logs[name].read_text()[-6000:]}")
 
 
-def _state(module, samples: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-    state = {
+def _state(module, samples: bool = False) -> dict[str, Any]:
+    state: dict[str, Any] = {
         "model": {k: v.detach().cpu().clone() for k, v in module.model.state_dict().items()},
         "ema": {k: v.detach().cpu().clone() for k, v in module.ema.state_dict().items()},
     }
     if samples:
-        state["samples"] = torch.cat([module.sample([1, 2], num_steps=2, cfg_scale=c, seed=0) for c in (1.0, 2.0)]).cpu()
+        state["samples"] = torch.cat(
+            [module.sample([1, 2], num_steps=2, cfg_scale=c, seed=0) for c in (1.0, 2.0)]
+        ).cpu()
     return state
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-    from dit_lightning.data import prepare_digits
-
-    return prepare_digits(str(tmp_path_factory.mktemp("digits") / "store"))
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +82,43 @@ def runs(store, tmp_path_factory):
     procs = {
         "2 processes": subprocess.Popen(
             [sys.executable, SCRIPT, "--data", store, "--out", str(out), "--devices", "2"],
-            cwd=base, env=env, stdout=open(logs["2 processes"], "w"), stderr=subprocess.STDOUT,
+            cwd=base,
+            env=env,
+            stdout=open(logs["2 processes"], "w"),
+            stderr=subprocess.STDOUT,
         )
     }
     port = _free_port()
     for node in (0, 1):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-            "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-            SCRIPT, "--data", store, "--out", str(multi), "--devices", "1", "--num-nodes", "2", "--runs", "ddp",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            SCRIPT,
+            "--data",
+            store,
+            "--out",
+            str(multi),
+            "--devices",
+            "1",
+            "--num-nodes",
+            "2",
+            "--runs",
+            "ddp",
         ]
-        procs[f"node {node}"] = subprocess.Popen(cmd, cwd=base, env=env, stdout=open(logs[f"node {node}"], "w"), stderr=subprocess.STDOUT)
+        procs[f"node {node}"] = subprocess.Popen(
+            cmd, cwd=base, env=env, stdout=open(logs[f"node {node}"], "w"), stderr=subprocess.STDOUT
+        )
     deadline = time.monotonic() + TIMEOUT
     try:
         # Meanwhile, the references: one process, micro-batch = the global batch of 16.
@@ -124,7 +149,9 @@ def assert_same_weights(got, want, atol=ATOL):
     for part in ("model", "ema"):
         assert got[part].keys() == want[part].keys()
         for k in want[part]:
-            torch.testing.assert_close(got[part][k], want[part][k], rtol=0, atol=atol, msg=lambda m: f"{part}.{k}: {m}")
+            torch.testing.assert_close(
+                got[part][k], want[part][k], rtol=0, atol=atol, msg=lambda m, part=part, k=k: f"{part}.{k}: {m}"
+            )
 
 
 def max_diff(a, b, part="model"):
@@ -135,7 +162,12 @@ def assert_same_logs(got, want, atol=1e-5, keys=("train/loss", "train/grad_norm"
     for key in keys:
         assert got[key].keys() == want[key].keys(), key
         for step in want[key]:
-            assert abs(got[key][step] - want[key][step]) <= atol * max(1.0, abs(want[key][step])), (key, step, got[key], want[key])
+            assert abs(got[key][step] - want[key][step]) <= atol * max(1.0, abs(want[key][step])), (
+                key,
+                step,
+                got[key],
+                want[key],
+            )
 
 
 # ---- DDP -------------------------------------------------------------------------------
@@ -143,7 +175,9 @@ def assert_same_logs(got, want, atol=1e-5, keys=("train/loss", "train/grad_norm"
 
 def test_ddp_two_ranks_equal_one_process_with_the_doubled_micro_batch(runs):
     ddp = runs["ddp"]
-    assert ddp["world_size"] == 2 and ddp["micro_batch"] == parity.GLOBAL_BATCH // 2 and ddp["global_step"] == parity.STEPS
+    assert (
+        ddp["world_size"] == 2 and ddp["micro_batch"] == parity.GLOBAL_BATCH // 2 and ddp["global_step"] == parity.STEPS
+    )
     assert max_diff(runs["ref"], runs["init"]) > 1e-3  # training moved the weights...
     assert_same_weights(ddp, runs["ref"])  # ...exactly as one process did (model and EMA)
     assert_same_logs(ddp["logged"], runs["ref"]["logged"])  # loss reduced over ranks, global grad norm
@@ -185,6 +219,7 @@ def _digits_of_keyed_samples(store: str, ema: dict[str, torch.Tensor]) -> dict:
     from dit_lightning.sampling import parse_labels
 
     module, _ = parity.build(store)
+    assert module.ema is not None
     module.ema.load_state_dict(ema)
     labels = parse_labels("0-9", 10)(np.arange(parity.GENERATED))
     images = to_uint8(module.decode(module.sample(labels, indices=torch.arange(parity.GENERATED), seed=0)))
@@ -227,7 +262,9 @@ def test_fsdp2_sharded_resume_equals_the_uninterrupted_run(runs):
     assert resumed["global_step"] == parity.STEPS
     assert sorted(resumed["logged"]["train/loss"]) == list(range(parity.CKPT_STEP, parity.STEPS))
     assert_same_weights(resumed, full, atol=1e-7)
-    assert_same_logs(resumed["logged"], {k: {s: v for s, v in d.items() if s >= parity.CKPT_STEP} for k, d in full["logged"].items()})
+    assert_same_logs(
+        resumed["logged"], {k: {s: v for s, v in d.items() if s >= parity.CKPT_STEP} for k, d in full["logged"].items()}
+    )
 
 
 def test_fsdp2_gradient_clipping_by_norm(runs):
@@ -236,8 +273,9 @@ def test_fsdp2_gradient_clipping_by_norm(runs):
     assert_same_weights(clip, ref)
     # SGD (lr 0.5) steps of gradient norm <= CLIP: the weights moved by at most 4 * 0.5 * CLIP
     # in L2 norm (unclipped, with gradient norms ~1.5, they would move ~30x more)
-    moved = torch.linalg.vector_norm(torch.stack([
-        torch.linalg.vector_norm(clip["model"][k] - runs["init_sgd"]["model"][k]) for k in clip["model"]]))
+    moved = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(clip["model"][k] - runs["init_sgd"]["model"][k]) for k in clip["model"]])
+    )
     assert 0.5 * parity.CLIP < moved <= parity.STEPS * 0.5 * parity.CLIP + 1e-6, moved
 
 
@@ -247,7 +285,9 @@ def test_fsdp2_mixed_precision_bf16_compute_fp32_reduce(runs):
     diff = max_diff(bf16, runs["ref"])
     assert 1e-6 < diff < 5e-3, diff  # bf16 compute: close to, not equal to, the fp32 run
     losses = bf16["logged"]["train/loss"]
-    assert len(losses) == parity.STEPS and all(abs(losses[s] - runs["ref"]["logged"]["train/loss"][s]) < 1e-2 for s in losses)
+    assert len(losses) == parity.STEPS and all(
+        abs(losses[s] - runs["ref"]["logged"]["train/loss"][s]) < 1e-2 for s in losses
+    )
 
 
 def test_hsdp_replicate_across_groups(runs):
@@ -298,30 +338,6 @@ def test_consolidate_a_single_file_checkpoint_is_an_export(runs, tmp_path):
     assert set(out) == {"model", "ema", "args"}
 
 
-# ---- memory model ----------------------------------------------------------------------
-
-
-def test_state_per_device_shards_as_documented():
-    """The planner's static state per device (docs/distributed.md's table) for each layout."""
-    n = dit_params(shape_of("DiT-XL/2"))
-    ddp = state_per_device("DiT-XL/2", 8, "ddp")
-    full = state_per_device("DiT-XL/2", 8, "fsdp", "FULL_SHARD")
-    zero2 = state_per_device("DiT-XL/2", 8, "fsdp", "SHARD_GRAD_OP")
-    hybrid = state_per_device("DiT-XL/2", 32, "fsdp", "FULL_SHARD", shard_group=8)
-    assert abs(ddp["params"] - 4 * n / 1024**3) < 1e-9 and abs(ddp["total"] - 20 * n / 1024**3) < 0.01
-    assert ddp["gathered"] == 0
-    state = ("params", "grads", "optimizer", "ema")
-    assert abs(sum(full[k] for k in state) - sum(ddp[k] for k in state) / 8) < 0.01
-    # SHARD_GRAD_OP shards the state like FULL_SHARD but keeps the whole model gathered (bf16)
-    assert all(zero2[k] == full[k] for k in state) and abs(zero2["gathered"] - 2 * n / 1024**3) < 1e-9
-    assert full["gathered"] < zero2["gathered"] / 5
-    assert hybrid == full
-    # the planner's peak uses exactly this state
-    plan = plan_memory("DiT-XL/2", world_size=8, strategy="fsdp", sharding="FULL_SHARD", micro_batch=1)
-    assert plan.optimizer_states / 1024**3 == pytest.approx(full["optimizer"])
-    assert plan.ema_weights / 1024**3 == pytest.approx(full["ema"])
-
-
 # ---- FSDP1 (GPU only in Lightning 2.6) -----------------------------------------------------
 
 
@@ -332,9 +348,23 @@ def test_fsdp1_on_gpus_matches_one_gpu_and_resumes(store, tmp_path):
     out = tmp_path / "fsdp1"
     log = tmp_path / "fsdp1.log"
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--data", store, "--out", str(out), "--devices", str(devices),
-         "--runs", "fsdp1,fsdp1_resume,fsdp1_clip"],
-        cwd=tmp_path, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT, timeout=TIMEOUT,
+        [
+            sys.executable,
+            SCRIPT,
+            "--data",
+            store,
+            "--out",
+            str(out),
+            "--devices",
+            str(devices),
+            "--runs",
+            "fsdp1,fsdp1_resume,fsdp1_clip",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        timeout=TIMEOUT,
     )
     assert proc.returncode == 0, log.read_text()[-6000:]
     ref_module, _ = parity.reference(store, tmp_path / "ref", accelerator="gpu")
@@ -354,32 +384,14 @@ def test_fsdp1_on_gpus_matches_one_gpu_and_resumes(store, tmp_path):
         torch.testing.assert_close(v, fsdp1["ema"][k], rtol=0, atol=1e-6)
 
 
-# ---- the CLI with a sharded hardware profile ----------------------------------------------------
-
-
-def test_cli_fit_with_the_fsdp2_cpu_profile_then_consolidate(tmp_path):
-    """`dit-lightning fit --config demo --config configs/hardware/fsdp-v2-cpu.yaml` trains on 2
-    processes, writes sharded checkpoint directories (periodic and last.ckpt), which
-    consolidate into a file the sampling tools read."""
-    from tests.test_cli import fit_args, run_cli
-
-    profile = str(ROOT / "configs" / "hardware" / "fsdp-v2-cpu.yaml")
-    args = fit_args(tmp_path, "fsdp", 4, ["--config", profile, "--trainer.callbacks=[]", "--checkpoint.every_n_train_steps", "2"])
-    proc = run_cli(args, tmp_path)
-    assert "FSDP2: sharded" in proc.stdout + proc.stderr
-    last = tmp_path / "fsdp" / "ckpt" / "last.ckpt"
-    assert is_sharded_checkpoint(last), sorted(p.name for p in (tmp_path / "fsdp" / "ckpt").iterdir())
-    obj = torch.load(consolidate(str(last), str(tmp_path / "dit.pt")), weights_only=True)
-    assert obj["args"]["global_step"] == 4
-    net = DiT(**{**obj["args"]["model_config"], "num_heads": obj["args"]["num_heads"]})
-    net.load_state_dict(obj["ema"], strict=True)
-    assert read_checkpoint(tmp_path / "dit.pt").ema.keys() == obj["ema"].keys()
-
-
 def test_consolidate_is_a_command_line_tool(runs, tmp_path):
     """The signature works as ``dit-lightning consolidate --checkpoint DIR --output FILE``."""
     from jsonargparse import CLI
 
     ckpt = runs["out"] / "fsdp2" / "ckpt" / f"epoch=0-step={parity.STEPS}.ckpt"
-    CLI(consolidate, args=["--checkpoint", str(ckpt), "--output", str(tmp_path / "x" / "dit.pt"), "--format", "raw"], as_positional=False)
+    CLI(
+        consolidate,
+        args=["--checkpoint", str(ckpt), "--output", str(tmp_path / "x" / "dit.pt"), "--format", "raw"],
+        as_positional=False,
+    )
     assert torch.load(tmp_path / "x" / "dit.pt", weights_only=True).keys() == runs["ref"]["ema"].keys()

@@ -1,34 +1,15 @@
+"""Structured pruning of a DiT (depth, MLP channels, attention heads): shapes, parameter counts,
+exactness where nothing is removed, and block importance."""
+
 import pytest
 import torch
 
 from dit_lightning.diffusion import create_diffusion
-from dit_lightning.models import DiT, DiTShape, dit_params
-from dit_lightning.checkpoints import dit_config_of, infer_dit_config, load_dit, read_checkpoint
-from dit_lightning.checkpoints import save_dit as save_pruned
-from dit_lightning.commands.prune import prune
-from dit_lightning.models import mlp_ratio_for, model_config
+from dit_lightning.models import DiTShape, dit_params, mlp_ratio_for
 from dit_lightning.models.pruning import block_importance, prune_depth, prune_heads, prune_mlp, select_blocks
-from dit_lightning.module import DiTModule
-
-from .conftest import tiny_dit_kwargs
-
+from tests.helpers.models import inputs, randomized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def randomized(**overrides) -> DiT:
-    """A tiny DiT whose zero-initialised layers (adaLN, output) have values, in eval mode."""
-    model = DiT(**tiny_dit_kwargs(depth=3, **overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name != "pos_embed":
-                p.normal_(0, 0.2)
-    return model.eval()
-
-
-def inputs(n: int = 4):
-    g = torch.Generator().manual_seed(3)
-    return torch.randn(n, 4, 8, 8, generator=g), torch.tensor([0, 10, 500, 999])[:n], torch.tensor([1, 2, 10, 7])[:n]
 
 
 def n_params(model) -> int:
@@ -113,50 +94,3 @@ def test_mlp_ratio_recovers_the_channel_count_exactly():
     model = randomized(hidden_size=56, num_heads=4)
     pruned = prune_depth(prune_mlp(model, keep_channels=61), 2)  # the rebuild keeps 61 channels
     assert pruned.blocks[0].mlp.fc1.out_features == 61
-
-
-def test_pruned_file_saves_and_loads_as_a_dit_of_its_new_shape(tmp_path):
-    model = randomized()
-    pruned = prune_mlp(prune_depth(model, [0, 2]), keep_ratio=0.5)
-    path = save_pruned(pruned, tmp_path / "pruned.pt", ema=pruned)
-    ckpt = read_checkpoint(path)
-    inferred = infer_dit_config(ckpt.model)
-    assert (inferred["depth"], inferred["mlp_ratio"]) == (2, 2.0)
-    assert dit_config_of(ckpt)[0] == {**model_config(pruned)}
-    loaded = load_dit(str(path)).net
-    x, t, y = inputs()
-    assert torch.equal(loaded(x, t, y), pruned(x, t, y))
-    # ... and DiTModule fine-tunes it through init_from, configured with the new shape.
-    module = DiTModule(
-        model="custom", latent_shape=(4, 8, 8), num_classes=10, depth=2, hidden_size=32, num_heads=4, mlp_ratio=2.0, init_from=str(path)
-    ).eval()
-    assert torch.equal(module.model(x, t, y), pruned(x, t, y))
-
-
-def test_prune_tool_with_calibration(tmp_path):
-    from dit_lightning.data import prepare_digits
-
-    store = prepare_digits(str(tmp_path / "digits"))
-    model = randomized(in_channels=1)
-    src = save_pruned(model, tmp_path / "full.pt", ema=model, extra_args={"num_heads": 4})
-    out = prune(src, str(tmp_path / "small.pt"), depth=2, mlp_ratio=1.0, calibration=store, calibration_size=16, calibration_draws=1)
-    ckpt = read_checkpoint(out)
-    report = ckpt.args["pruning"]
-    assert len(report["block_importance"]) == 3 and len(report["kept_blocks"]) == 2
-    assert report["params_after"] < report["params_before"]
-    small = load_dit(out).net
-    assert (small.depth, small.blocks[0].mlp.fc1.out_features, small.num_heads) == (2, 32, 4)
-
-
-def test_head_pruned_file_fine_tunes_through_init_from(tmp_path):
-    model = randomized()
-    src = save_pruned(model, tmp_path / "full.pt", ema=model)
-    out = prune(src, str(tmp_path / "small.pt"), heads=2)
-    small = load_dit(out).net
-    assert (small.num_heads, small.blocks[0].attn.head_dim) == (2, 8)
-    assert sum(p.numel() for p in small.parameters()) == dit_params(DiTShape.of(small))
-    module = DiTModule(
-        model="custom", latent_shape=(4, 8, 8), num_classes=10, depth=3, hidden_size=32, num_heads=2, attn_dim=16, init_from=out
-    ).eval()
-    x, t, y = inputs()
-    assert torch.equal(module.model(x, t, y), small(x, t, y))
