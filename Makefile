@@ -9,17 +9,25 @@ BIN := $(VENV)/bin
 
 .PHONY: install demo test lint
 
-$(BIN)/dit-lightning: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+# One venv; each target installs the extras it needs (again when pyproject.toml changes).
+$(VENV)/.installed-demo: pyproject.toml
+	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[demo]"
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml
+	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
-install: $(BIN)/dit-lightning
+install: $(VENV)/.installed-test
 
-demo: install
+# Each run gets its own directory (outputs/demo/version_N); `last` is the newest run's last checkpoint.
+demo: $(VENV)/.installed-demo
 	$(BIN)/dit-lightning fit --config configs/demo.yaml
-	$(BIN)/dit-lightning test --config configs/demo.yaml --ckpt_path outputs/demo/checkpoints/last.ckpt
+	$(BIN)/dit-lightning test --config configs/demo.yaml --ckpt_path last
 
 lint: install
 	$(BIN)/ruff format --check .

@@ -262,7 +262,9 @@ class DiTCLI(LightningCLI):
         dropped = set()
         if trainer_config.get("enable_checkpointing") is False:
             dropped.add("checkpoint")
-        if trainer_config.get("enable_progress_bar") is False or any(isinstance(c, ProgressBar) for c in user_callbacks):
+        if trainer_config.get("enable_progress_bar") is False or any(
+            isinstance(c, ProgressBar) for c in user_callbacks
+        ):
             dropped.add("progress_bar")  # the user's bar, or none: ours would clash
         parser.callback_keys = [k for k in parser.callback_keys if k not in dropped]
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in user_callbacks):

@@ -24,7 +24,7 @@ from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
-from .precision import is_fp16
+from .precision import is_fp16, set_tf32
 from .sampling import Sampler, sample_latents
 from .schedules import WarmupDecayLR
 from .vae import DEFAULT_SCALE_FACTOR, clip_denoised_for, decode_latents, is_pixel_space, load_vae
@@ -43,6 +43,18 @@ _VAL_STEP_KEY = -1
 _STREAM_T, _STREAM_NOISE, _STREAM_DROP = 1, 2, 3
 
 
+def _factory_class(factory: Any) -> Any:
+    """The class an optimiser / scheduler factory builds: the class itself, a ``functools.partial``
+    of it, or jsonargparse's partial (which passes the class as a positional argument)."""
+    if isinstance(factory, type):
+        return factory
+    if isinstance(factory, functools.partial):
+        if isinstance(factory.func, type):
+            return factory.func
+        return next((a for a in factory.args if isinstance(a, type)), None)
+    return None
+
+
 class DiTModule(L.LightningModule):
     """Train a DiT on latents (``batch = {"x", "y", "index"}``) with the paper's recipe.
 
@@ -50,7 +62,11 @@ class DiTModule(L.LightningModule):
         model: a registered name (``"DiT-XL/2"``, ``"DiT-S/2"``...) or ``"custom"``.
         latent_shape: (C, H, W) of the latents; linked from the data module by the CLI.
         num_classes: number of classes; linked from the data module by the CLI.
-        depth, hidden_size, num_heads, patch_size, mlp_ratio: override the named sizes.
+        depth: number of transformer blocks (overrides the named size).
+        hidden_size: width of the residual stream (overrides the named size).
+        num_heads: attention heads (overrides the named size).
+        patch_size: side of the latent patches (overrides the named size).
+        mlp_ratio: MLP width / hidden size (4 in the paper).
         attn_dim: width of q, k, v when it is not hidden_size (head-pruned models).
         learn_sigma: predict the variance too (the hybrid loss); else plain epsilon MSE.
         class_dropout_prob: label dropout for classifier-free guidance.
@@ -71,11 +87,15 @@ class DiTModule(L.LightningModule):
         ema_decay: EMA decay per optimiser step (0.9999 in the paper).
         ema_warmup: use ``min(decay, (1 + n) / (10 + n))`` at step n, for short runs.
         eval_weights: weights used by validation/test/sampling: "ema" or "raw".
-        noise_schedule, diffusion_steps: the diffusion process (linear, 1000 in the paper).
+        noise_schedule: the beta schedule ("linear" in the paper, or "cosine").
+        diffusion_steps: the diffusion process's steps (1000 in the paper).
         seed: key of the per-sample timesteps, noise and label dropout.
         init_from: start from a checkpoint (released raw state dict, reference format or
             Lightning); weights only, strict, with a clear error for another architecture.
-        sample_steps, sampler, cfg_scale, guide_channels: defaults for :meth:`sample`.
+        sample_steps: default sampling steps of :meth:`sample` (and of the tools reading the checkpoint).
+        sampler: default sampler of :meth:`sample`: "ddpm" or "ddim".
+        cfg_scale: default classifier-free guidance scale of :meth:`sample` (1: none).
+        guide_channels: guide only the first N epsilon channels (3: the reference's variant).
         vae: the VAE that decodes latents to images ("none/pixels" for pixel-space stores);
             linked from the data module.
         scale_factor: the latent scale of the store (latents = VAE output x scale); linked from
@@ -202,8 +222,7 @@ class DiTModule(L.LightningModule):
     # ---- set-up hooks ------------------------------------------------------------------
     def configure_model(self) -> None:
         if self.hparams.tf32 and torch.cuda.is_available():
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            set_tf32(True)
         configure_sharding(self)  # FSDP2 under a ModelParallelStrategy (before compiling); else a no-op
         mode = self.hparams.compile
         if mode == "model" and not getattr(self.model, "_compiled", False):
@@ -233,10 +252,14 @@ class DiTModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.optimizer_factory is not None:
-            factory = self.optimizer_factory
-            keywords = getattr(factory, "keywords", {})  # a callable built by jsonargparse is a partial
-            is_adamw = torch.optim.AdamW in getattr(factory, "args", ()) or factory is torch.optim.AdamW
-            if is_adamw and keywords.get("fused") is None and keywords.get("foreach") is None and self._use_fused():
+            factory: Any = self.optimizer_factory  # OptimizerCallable: calling it with fused= is a partial's override
+            keywords = getattr(factory, "keywords", {})
+            if (
+                _factory_class(factory) is torch.optim.AdamW
+                and keywords.get("fused") is None
+                and keywords.get("foreach") is None
+                and self._use_fused()
+            ):
                 optimizer = factory(params, fused=True)  # fused AdamW where the user left it unset
             else:
                 optimizer = factory(params)
@@ -260,7 +283,7 @@ class DiTModule(L.LightningModule):
 
     def _build_scheduler(self, factory: Any, optimizer: torch.optim.Optimizer) -> Any:
         keywords = getattr(factory, "keywords", {})
-        if WarmupDecayLR in getattr(factory, "args", ()) or factory is WarmupDecayLR:
+        if _factory_class(factory) is WarmupDecayLR:
             if self.hparams.warmup_steps > 0 and not keywords.get("warmup_steps"):
                 factory = functools.partial(factory, warmup_steps=self.hparams.warmup_steps)
             if keywords.get("decay", "none") != "none" and keywords.get("decay_steps") is None:
@@ -427,5 +450,7 @@ class DiTModule(L.LightningModule):
         if scale_factor is None:
             # Trainer.datamodule: set by Lightning's data connector, not declared on the class.
             data = self._trainer.datamodule if self._trainer is not None else None  # type: ignore[attr-defined]
-            scale_factor = self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
+            scale_factor = (
+                self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
+            )
         return decode_latents(latents, vae, scale_factor)

@@ -87,6 +87,13 @@ def autocast(device_type: str, precision: DTypeLike) -> contextlib.AbstractConte
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
+def set_tf32(enabled: bool) -> None:
+    """Let fp32 matmuls (and cuDNN convolutions) use TF32 tensor cores on Ampere and newer GPUs,
+    through torch's public precision switches: ~2-3x faster fp32 training at a tiny precision cost."""
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def strategy_param_dtype(strategy: Any) -> Optional[torch.dtype]:
     """The dtype a sharding strategy gathers parameters in (its mixed-precision policy), if set:
     FSDP2 (``DiTFSDP2Strategy.fsdp_options["param_dtype"]``) or FSDP1 (``mixed_precision``)."""

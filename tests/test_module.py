@@ -170,3 +170,40 @@ def test_16_mixed_with_grad_scaler_on_gpu():
     assert not module.optimizers().optimizer.defaults.get(
         "fused"
     )  # fused + clipping + GradScaler is refused by Lightning
+
+
+def test_optimizer_and_schedule_arguments_and_the_run_length_decay(tmp_path):
+    import functools
+
+    from dit_lightning.schedules import WarmupDecayLR
+
+    module = DiTModule(
+        **TINY,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+        lr_scheduler=functools.partial(WarmupDecayLR, warmup_steps=2, decay="linear"),
+    )
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_checkpointing=False)
+    module.trainer = trainer
+    config = module.configure_optimizers()
+    opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["lr"] == 0.5
+    assert config["lr_scheduler"]["interval"] == "step"
+    assert isinstance(sched, WarmupDecayLR) and sched.decay_steps == 10  # the run's optimiser steps
+    # the deprecated warmup_steps is the same schedule through WarmupDecayLR
+    with pytest.deprecated_call(match="warmup_steps"):
+        old = DiTModule(**TINY, warmup_steps=3)
+    sched = old.configure_optimizers()["lr_scheduler"]["scheduler"]
+    assert isinstance(sched, WarmupDecayLR) and sched.warmup_steps == 3 and sched.decay == "none"
+
+
+def test_decode_uses_the_recorded_scale_factor_without_a_trainer(tmp_path):
+    from dit_lightning.vae import decode_latents, load_vae
+    from tests.helpers.data import make_tiny_vae
+
+    vae = make_tiny_vae(str(tmp_path / "vae"))
+    module = DiTModule(
+        **{**TINY, "latent_shape": (4, 8, 8)}, vae=vae, scale_factor=0.13025
+    )  # an SDXL-VAE store's scale
+    z = torch.randn(1, 4, 8, 8)
+    torch.testing.assert_close(module.decode(z), decode_latents(z, load_vae(vae), 0.13025))
+    assert module.hparams.scale_factor == 0.13025

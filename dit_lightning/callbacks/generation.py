@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
-from typing import Any, Callable, Literal, Optional, cast
+from collections.abc import Callable
+from typing import Any, Literal, Optional, cast
 
 import lightning as L
 import numpy as np
@@ -66,7 +66,10 @@ class GenerationMetrics(L.Callback):
         kid_subset_size: KID's subset size (capped by the number of images).
         labels: "random" (uniform, keyed on seed and index: the FID protocol), "all" (cycled),
             "0-9", "1,5,7" or a list.
-        sampler, num_steps, cfg_scale, guide_channels: sampling settings; None takes the module's.
+        sampler: "ddpm" or "ddim"; None takes the module's.
+        num_steps: sampling steps; None takes the module's.
+        cfg_scale: classifier-free guidance scale; None takes the module's.
+        guide_channels: guide only the first N epsilon channels; None takes the module's.
         eta: DDIM noise (0: deterministic).
         seed: key of the labels and the noise.
         batch_size: images per sampling batch on each device (does not change the images).

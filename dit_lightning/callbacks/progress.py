@@ -54,7 +54,7 @@ class DiTProgressBar(ProgressBar):
         self.interval_s = interval_s
         self.refresh_rate = max(1, refresh_rate)
         self._enabled = True
-        self._progress: Any = None
+        self._progress: Any = None  # rich.progress.Progress while a bar is shown
         self._task: Any = None
         self._eval_task: Any = None
         self._t0 = 0.0
@@ -89,9 +89,15 @@ class DiTProgressBar(ProgressBar):
         total = trainer.estimated_stepping_batches
         return int(total) if total != float("inf") else None
 
-    def _start_rich(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        from rich.progress import TimeRemainingColumn
+    def _start_rich(self) -> Any:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
@@ -104,6 +110,7 @@ class DiTProgressBar(ProgressBar):
             auto_refresh=True,
         )
         self._progress.start()
+        return self._progress
 
     def _stop_rich(self) -> None:
         if self._progress is not None:
@@ -133,7 +140,10 @@ class DiTProgressBar(ProgressBar):
             return
         total = self._total(trainer)
         if self._is_plain():
-            print(f"fit: training from step {trainer.global_step} to {total if total else 'the end of the data'}", flush=True)
+            print(
+                f"fit: training from step {trainer.global_step} to {total if total else 'the end of the data'}",
+                flush=True,
+            )
             return
         self._start_rich()
         self._task = self._progress.add_task("fit", total=total, completed=trainer.global_step, metrics="")
@@ -176,7 +186,7 @@ class DiTProgressBar(ProgressBar):
         if self._progress is not None:  # validation inside fit: a transient second bar
             self._eval_task = self._progress.add_task(description, total=total, metrics="")
         elif not self._is_plain():
-            self._start_rich()
+            self._progress = self._start_rich()
             self._eval_task = self._progress.add_task(description, total=total, metrics="")
 
     def _eval_batch(self) -> None:

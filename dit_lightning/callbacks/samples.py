@@ -31,7 +31,7 @@ class PredictionWriter(BasePredictionWriter):
         self.written = 0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.resolved_dir = run_path(self.output_dir, trainer)
+        self.resolved_dir = run_path(self.output_dir, trainer).resolve()
         self.written = 0
 
     def write_on_batch_end(
@@ -58,7 +58,9 @@ class SampleGrid(L.Callback):
         every_n_steps: 0 samples only at the end of fit.
         classes: the rows; default the first ``min(10, num_classes)`` classes.
         per_class: images per row.
-        num_steps, sampler, cfg_scale: sampling settings (few steps keep it cheap).
+        num_steps: sampling steps (few keep it cheap).
+        sampler: "ddpm" or "ddim".
+        cfg_scale: classifier-free guidance scale.
         seed: fixes the noise, so grids of successive steps are comparable.
         output: PNG path written at the end of fit (None: the loggers only); ``{log_dir}`` is the
             run's directory (``outputs/demo/version_N``).

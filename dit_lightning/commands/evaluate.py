@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -71,15 +72,19 @@ def evaluate(
         max_reference: use at most this many reference images.
         labels: "random" (uniform, keyed on seed and index: the FID protocol), "all", "0-9",
             "1,5,7" or a list.
-        sampler, num_steps, eta, cfg_scale, guide_channels: sampling settings as for ``sample``
-            (default: the checkpoint's, else DDPM-250 without guidance).
+        sampler: "ddpm" or "ddim" (default: the checkpoint's, else DDPM).
+        num_steps: respaced sampling steps (default: the checkpoint's, else 250).
+        eta: DDIM noise (0: deterministic).
+        cfg_scale: classifier-free guidance scale (default: the checkpoint's, else 1: none).
+        guide_channels: guide only the first N epsilon channels (3: the reference's published FIDs).
         seed: key of the labels and the noise: sample i depends only on (seed, i).
         batch_size: samples per forward (per rank); does not change the images.
         precision: autocast of the DiT while sampling: fp32, bf16 or fp16.
         weights: "ema" (default) or "raw" training weights.
         vae: the VAE that decodes latents (default: the checkpoint's).
         device: "auto", "cpu" or "cuda" (under torchrun each rank takes cuda:LOCAL_RANK).
-        rank, world_size: this process's share of the samples (default: torchrun's).
+        rank: this process's rank (default: torch.distributed, then torchrun's RANK).
+        world_size: the number of processes sharing the samples (default: torchrun's WORLD_SIZE).
         progress: print progress and the result.
     """
     wanted = [m.strip().lower() for m in (metrics.split(",") if isinstance(metrics, str) else metrics) if m.strip()]

@@ -64,13 +64,16 @@ def prune(
         mlp_ratio: new MLP width ``int(hidden_size * mlp_ratio)`` (the original is 4.0).
         heads: attention heads to keep per block (head dim unchanged).
         calibration: a latent store (e.g. ``data/digits``) for the data-aware scores.
-        calibration_size, calibration_draws: samples, and timestep/noise draws per sample.
+        calibration_size: samples of the calibration store used for the scores.
+        calibration_draws: timestep / noise draws per calibration sample.
         criterion: channel/head score: weight norms ``l1``/``l2``; ``activation`` (MLP only,
             needs calibration) mean |activation| times the L1 norm of the channel's fc2 column.
         keep_blocks: explicit block indices to keep (instead of ``depth``).
         weights: prune the EMA weights (default) or the raw ones; the pruned weights are
             written as both ``model`` and ``ema``, ready to fine-tune.
-        noise_schedule, diffusion_steps: of the calibration loss; default the checkpoint's.
+        multiple_of: round the kept MLP channels down to a multiple of this (8 or 64 suit tensor cores).
+        noise_schedule: of the calibration loss ("linear" or "cosine"); default the checkpoint's.
+        diffusion_steps: of the calibration loss; default the checkpoint's.
         seed: of the calibration subset, timesteps and noise.
     Returns the output path.
     """

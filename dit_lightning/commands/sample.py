@@ -124,8 +124,9 @@ def sample(
         num_samples: images to make (default: one per entry of an explicit label list).
         labels: "random" (keyed on seed and index), "all", "0-9", "1,5,7" or a list; an
             explicit list is cycled: sample i gets ``labels[i % len(labels)]``.
-        sampler, num_steps: "ddpm" (ancestral, learned variance) or "ddim"; respaced steps.
-            Default: the Lightning checkpoint's sampling settings, else DDPM 250.
+        sampler: "ddpm" (ancestral, learned variance) or "ddim"; default: the Lightning
+            checkpoint's sampling settings, else DDPM.
+        num_steps: respaced sampling steps; default: the checkpoint's, else 250.
         eta: DDIM noise (0 deterministic).
         cfg_scale: classifier-free guidance scale (1: none; the paper's best FID used 1.5).
         guide_channels: guide only the first N epsilon channels; 3 reproduces the reference
@@ -141,9 +142,11 @@ def sample(
             (``vae`` "none/pixels"), off for VAE latents (the published setting).
         num_heads: attention heads, when a raw checkpoint of a custom size does not match hidden/64.
         device: "auto", "cpu", "cuda"; under torchrun each rank takes cuda:LOCAL_RANK.
-        rank, world_size: this process's share (default: torch.distributed, then RANK /
-            WORLD_SIZE from torchrun); ranks may also run as separate jobs with these flags.
-        grid_size, grid_nrow: images in grid.png and per row.
+        rank: this process's rank (default: torch.distributed, then RANK from torchrun); ranks
+            may also run as separate jobs with ``rank`` and ``world_size``.
+        world_size: the number of processes sharing the samples (default: WORLD_SIZE).
+        grid_size: images in grid.png.
+        grid_nrow: images per row of grid.png (default: a square).
         write_npz: assemble ``samples.npz`` once every PNG exists (rank 0 after a barrier
             under torchrun; otherwise whichever process finds the set complete).
         progress: print progress to stderr.

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Union
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from . import store as st
@@ -604,14 +605,19 @@ class LatentDataModule(L.LightningDataModule):
         return self._held_out_loader(self.val_indices)
 
     def test_dataloader(self) -> DataLoader:
-        """The held-out split (the store has one: ``val_size``), for ``dit-lightning test``'s loss;
-        the generation metrics (FID, digits accuracy) come from ``GenerationMetrics``."""
+        """The held-out split of ``val_size`` items, for ``dit-lightning test``'s loss: the same items
+        as validation (a store has one held-out split; training never sees it). The generation
+        metrics (FID, digits accuracy) compare with the reference set of ``GenerationMetrics``."""
         self._ensure_setup()
         if self.val_indices is None or len(self.val_indices) == 0:
             raise ValueError(
                 "`test` measures the held-out split, and this data module holds none out: set data.val_size "
                 "(e.g. --data.val_size 1000, the same split as validation) and test again"
             )
+        rank_zero_info(
+            f"test: the loss on the held-out split ({len(self.val_indices)} items, data.val_size), the same items "
+            "validation uses"
+        )
         return self._held_out_loader(self.val_indices)
 
     def _held_out_loader(self, indices: np.ndarray) -> DataLoader:

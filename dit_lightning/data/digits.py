@@ -20,6 +20,25 @@ DIGITS_VAE = "none/pixels"
 DIGITS_NUM_CLASSES = 10
 
 
+def require_sklearn() -> None:
+    """The digits demo reads its images from scikit-learn and scores them with its SVC."""
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "the digits demo needs scikit-learn (its bundled digits and classifier): pip install 'dit-lightning[demo]'"
+        ) from None
+
+
+def load_uci_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 UCI handwritten digits that ship inside scikit-learn: (N, 8, 8) values 0..16, labels."""
+    require_sklearn()
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return digits.images, digits.target
+
+
 def digits_spec(size: int = 8) -> st.StoreSpec:
     """The StoreSpec a digits store of side ``size`` has (known without building it)."""
     if size < 8 or size % 8:
@@ -55,8 +74,6 @@ def prepare_digits(output: str, size: int = 8, overwrite: bool = False) -> str:
     integer factor ``size // 8`` with nearest-neighbour repetition (keeps the pixels crisp and
     exactly invertible). Returns at once when a valid store with these settings exists.
     """
-    from sklearn.datasets import load_digits
-
     spec = digits_spec(size)
     output = os.path.abspath(output)
     if os.path.exists(output):
@@ -67,12 +84,12 @@ def prepare_digits(output: str, size: int = 8, overwrite: bool = False) -> str:
                 f"{output} exists but is not a digits store of size {size}; "
                 "pass overwrite=True (prepare_digits) or choose another path"
             )
-    digits = load_digits()
-    images = digits.images.astype(np.float32) / 16.0 * 2.0 - 1.0  # (1797, 8, 8)
+    raw, target = load_uci_digits()
+    images = raw.astype(np.float32) / 16.0 * 2.0 - 1.0  # (1797, 8, 8)
     factor = size // 8
     if factor > 1:
         images = images.repeat(factor, axis=1).repeat(factor, axis=2)
-    labels = digits.target.astype(np.int32)
+    labels = target.astype(np.int32)
     n = len(labels)
     if n != spec.num_items:
         spec = dataclasses.replace(spec, num_items=n)

@@ -109,8 +109,9 @@ class DiTFSDPStrategy(FSDPStrategy):
         state_dict_type: "sharded" (a checkpoint directory, one file per rank, fast; turn it
             into one file with ``dit-lightning consolidate``) or "full" (one file gathered on
             rank 0).
-        param_dtype, reduce_dtype: FSDP mixed precision (e.g. bfloat16 compute, float32
-            gradient reduction). Default: the Lightning precision plugin decides.
+        param_dtype: FSDP mixed precision: the dtype of the gathered parameters, i.e. of the
+            compute (e.g. bfloat16). Default: the Lightning precision plugin decides.
+        reduce_dtype: the dtype of the gradient reduction (e.g. float32); default: param_dtype.
         cpu_offload: keep sharded parameters and gradients in host memory.
     """
 

@@ -18,18 +18,18 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..data.digits import load_uci_digits
 from ..images import existing_samples, load_png_rgb, sample_labels
 from .fid import frechet_distance
 
 
 def train_digit_classifier(seed: int = 0) -> tuple[Any, float]:
     """An RBF SVC on 90% of the real digits; returns it and its held-out accuracy."""
-    from sklearn.datasets import load_digits
+    images, y = load_uci_digits()
     from sklearn.model_selection import train_test_split
     from sklearn.svm import SVC
 
-    digits = load_digits()
-    x, y = digits.data / 16.0, digits.target
+    x = images.reshape(len(images), -1) / 16.0
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.1, random_state=seed, stratify=y)
     clf = SVC(gamma="scale", C=10.0).fit(x_tr, y_tr)
     return clf, float(clf.score(x_te, y_te))
@@ -49,9 +49,8 @@ def uint8_digit_features(images: torch.Tensor) -> np.ndarray:
 
 
 def _real_digit_features() -> np.ndarray:
-    from sklearn.datasets import load_digits
-
-    return load_digits().data / 16.0  # (1797, 64) in [0, 1], the classifier's input space
+    images, _ = load_uci_digits()
+    return images.reshape(len(images), -1) / 16.0  # (1797, 64) in [0, 1], the classifier's input space
 
 
 def digits_frechet(generated: np.ndarray, clf: Any = None, seed: int = 0) -> dict[str, Any]:

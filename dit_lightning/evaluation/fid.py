@@ -1,6 +1,6 @@
-"""FID (and IS / KID) of generated samples with torchmetrics, offline-capable and cached.
+"""FID, IS and KID of generated samples (IS / KID through torchmetrics), offline-capable and cached.
 
-Features come from one extractor pass per batch: torchmetrics' InceptionV3 (torch-fidelity's
+Features come from one extractor pass per batch: the InceptionV3 of torchmetrics (torch-fidelity's
 port of the TF 2015-12-05 graph, the network of published FIDs) loaded from a local weights
 file, or any ``nn.Module`` mapping uint8 (N, 3, H, W) images to (N, D) features (tests, and
 offline feature spaces). ``antialias=False`` keeps torchmetrics' TF1-compatible bilinear
@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import tempfile
 import warnings
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -25,6 +27,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..atomic import save_npz
@@ -41,6 +44,7 @@ PYTORCH_FID_WEIGHTS_URL = (
 )
 INCEPTION_ENV = "DIT_INCEPTION_WEIGHTS"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+_INCEPTION_SIZE = 299  # InceptionV3's input side
 ASSUMED_REFERENCE_COUNT = 50_000  # for mu/sigma files that do not say how many images they summarise
 
 Source = Union[str, os.PathLike]
@@ -75,37 +79,77 @@ def find_inception_weights(path: Optional[str] = None) -> str:
         f"(torch-fidelity's {INCEPTION_WEIGHTS_FILE}, ~92 MB; pytorch-fid's {PYTORCH_FID_WEIGHTS_FILE} from "
         f"{PYTORCH_FID_WEIGHTS_URL} holds the same weights), copy it here and pass it with "
         f"--inception_weights PATH (Python: inception_weights=PATH; or set {INCEPTION_ENV}=PATH, or put it in "
-        f"{_hub_checkpoint_dir()}). torchmetrics then loads it through its feature_extractor_weights_path argument."
+        f"{_hub_checkpoint_dir()})."
     )
 
 
+# torch hub's convention: the name of a weights file ends with the first hex digits of its sha256
+_HASH_IN_NAME = re.compile(r"-([0-9a-f]{8,64})\.pth?$")
+
+
+def load_inception_state_dict(path: str) -> dict[str, Tensor]:
+    """The InceptionV3 weights of ``path``, read without running code from the file.
+
+    ``torch.load(weights_only=True)`` accepts tensors and containers only, and where the file name
+    carries a published hash (``...-6726825d.pth``) the file's sha256 must start with it. Only then
+    does any third-party code (torch-fidelity, which unpickles with ``weights_only=False``) see the
+    weights, and it sees them through a file this function's caller wrote from the checked tensors.
+    """
+    match = _HASH_IN_NAME.search(os.path.basename(path))
+    if match:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+        if not digest.hexdigest().startswith(match.group(1)):
+            raise ValueError(
+                f"{path}: its sha256 ({digest.hexdigest()[:12]}...) does not match the hash in its name "
+                f"({match.group(1)}): the file is corrupt or not the published one; download it again from "
+                f"{INCEPTION_WEIGHTS_URL}"
+            )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(
+            f"{path} is not a plain InceptionV3 weights file: torch.load(weights_only=True) refused it ({e}). "
+            f"It may run code when unpickled; download the published file again from {INCEPTION_WEIGHTS_URL}"
+        ) from None
+    if not isinstance(state, dict) or not state or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(f"{path} does not hold an InceptionV3 state dict (a mapping of names to tensors)")
+    return state
+
+
 class InceptionFeatures(nn.Module):
-    """torchmetrics' InceptionV3 giving pool features (2048) and, if asked, the unbiased logits
-    (1008) concatenated, in one forward; uint8 (N, 3, H, W) in."""
+    """The InceptionV3 of published FIDs (torch-fidelity's port of the TF 2015-12-05 graph, which
+    torchmetrics uses): pool features (2048) and, if asked, the unbiased logits (1008)
+    concatenated, in one forward; uint8 (N, 3, H, W) in.
+
+    The weights are checked by :func:`load_inception_state_dict` first. ``antialias=False`` (the
+    default) resizes to 299 px like TensorFlow 1 (the published protocol); ``antialias=True``
+    resizes with torch's antialiased bilinear filter (8-bit) first.
+    """
 
     def __init__(self, weights_path: Optional[str] = None, logits: bool = False, antialias: bool = False) -> None:
         super().__init__()
         path = find_inception_weights(weights_path)
-        try:
-            from torchmetrics.image.fid import NoTrainInceptionV3
-        except ImportError as e:  # pragma: no cover - torchmetrics is a dependency
-            raise ImportError("FID needs torchmetrics") from e
+        state = load_inception_state_dict(path)
+        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
         self.features = ["2048", "logits_unbiased"] if logits else ["2048"]
-        self.net = NoTrainInceptionV3(
-            name="inception-v3-compat",
-            features_list=self.features,
-            feature_extractor_weights_path=path,
-            antialias=antialias,
-        )
+        with tempfile.TemporaryDirectory() as tmp:
+            checked = os.path.join(tmp, "inception.pth")
+            torch.save(state, checked)  # tensors only: torch-fidelity's unpickling of it runs no foreign code
+            self.net = FeatureExtractorInceptionV3("inception-v3-compat", self.features, checked)
         self.weights_path = path
         self.antialias = antialias
         self.num_features = 2048 + (1008 if logits else 0)
 
     def forward(self, x: Tensor) -> Tensor:
-        if len(self.features) == 1:
-            return self.net(x)
-        # NoTrainInceptionV3.forward returns only the first feature: ask for all of them.
-        return torch.cat([f.reshape(len(x), -1) for f in self.net._torch_fidelity_forward(x)], dim=1)
+        if self.antialias and x.shape[-2:] != (299, 299):
+            size = (_INCEPTION_SIZE, _INCEPTION_SIZE)
+            x = F.interpolate(x.float(), size=size, mode="bilinear", align_corners=False, antialias=True)
+            x = x.round().clamp(0, 255).to(torch.uint8)
+        return torch.cat([f.reshape(len(x), -1) for f in self.net(x)], dim=1)
 
     def identity(self) -> str:
         size = os.path.getsize(self.weights_path)
@@ -380,21 +424,6 @@ def reference_stats(
 # --------------------------------------------------------------------------------------
 
 
-def _fid_with_reference(dim: int, ref: FeatureStats) -> Any:
-    """A torchmetrics FID whose real-side state holds the reference statistics."""
-    from torchmetrics.image.fid import FrechetInceptionDistance
-
-    metric = FrechetInceptionDistance(feature=_Columns(0, dim), reset_real_features=False)
-    n = max(2, int(ref.num_samples))
-    mu = torch.from_numpy(ref.mu).double()
-    sigma = torch.from_numpy(ref.sigma).double()
-    # Inverse of how torchmetrics turns its sums into mean and (unbiased) covariance.
-    metric.real_features_sum = mu * n
-    metric.real_features_cov_sum = sigma * (n - 1) + n * torch.outer(mu, mu)
-    metric.real_features_num_samples = torch.tensor(n, dtype=torch.long)
-    return metric
-
-
 IMAGE_METRICS = ("fid", "is", "kid")
 
 
@@ -433,7 +462,7 @@ def metrics_from_features(
     dim: Optional[int] = None,
     kid_subset_size: int = 1000,
 ) -> dict[str, float]:
-    """FID / KID (against ``ref``) and IS of generated features (N, D) through torchmetrics.
+    """FID / KID (against ``ref``) and IS of generated features (N, D); KID and IS through torchmetrics.
 
     ``dim``: the columns FID/KID use (default all); IS reads Inception's logits after column 2048.
     """
@@ -443,9 +472,10 @@ def metrics_from_features(
     fake_t = torch.from_numpy(np.asarray(fake)).double()
     result: dict[str, float] = {}
     if ref is not None and "fid" in metrics:
-        metric = _fid_with_reference(dim, ref)
-        metric.update(fake_t, real=False)
-        result["fid"] = float(metric.compute())
+        # From the statistics (ADM's reference batches hold nothing else): the same closed form as
+        # torchmetrics' FrechetInceptionDistance, in float64 (tests/evaluation/test_fid.py compares them)
+        gen = FeatureStats.from_features(np.asarray(fake)[:, :dim])
+        result["fid"] = frechet_distance(gen.mu, gen.sigma, ref.mu, ref.sigma)
     if ref is not None and "kid" in metrics:
         from torchmetrics.image.kid import KernelInceptionDistance
 

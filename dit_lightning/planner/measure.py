@@ -14,6 +14,9 @@ hardly moves on a second step.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
@@ -25,18 +28,26 @@ from ..precision import autocast, is_fp16
 
 def cpu_allocator_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``fn()`` and return ``(result, peak)``: the peak of bytes allocated by PyTorch's CPU
-    allocator during the call, above what was allocated when it started."""
+    allocator during the call, above what was allocated when it started.
+
+    The allocations and frees come from the profiler's memory events, read from its public
+    Chrome-trace export (``[memory]`` instant events with their ``Bytes``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         result = fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    memory = sorted(
+        (e["ts"], int(e["args"]["Bytes"]))
+        for e in events
+        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0  # 0: CPU
     )
     current = peak = 0
-    for _, nbytes in events:
+    for _, nbytes in memory:
         current += nbytes
         peak = max(peak, current)
     return result, peak
