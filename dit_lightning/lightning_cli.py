@@ -26,7 +26,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Trainer
@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from .autofit import AutoFitConfig
 from .callbacks.checkpoint import LATEST, DiTModelCheckpoint, newest_run_checkpoint, run_directory_of
 from .callbacks.config_logger import ConfigLogger
 from .callbacks.generation import GenerationMetrics
@@ -124,6 +125,14 @@ class DiTCLI(LightningCLI):
         # What `test` measures besides the held-out loss: FID / IS / KID or the digits metrics of
         # freshly sampled images (`evaluation.metrics`; off while the list is empty).
         parser.add_lightning_class_args(GenerationMetrics, "evaluation")
+        # --auto_fit true (or --auto_fit.memory_gib 6 ...): fit the run to its memory, recover from OOM.
+        parser.add_argument(
+            "--auto_fit",
+            type=Optional[Union[bool, AutoFitConfig]],
+            default=None,
+            help="fit: choose micro-batch, accumulation, recomputed blocks (and precision if unset) from the memory "
+            "each device has, and back off instead of dying on out-of-memory (docs/auto-fit.md)",
+        )
 
     # ---- --ckpt_path ------------------------------------------------------------------------
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -247,6 +256,21 @@ class DiTCLI(LightningCLI):
             name = f"config-resumed-from-step-{self._checkpoint_step()}.yaml"
         self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": name, "overwrite": True}
 
+    def _explicit_settings(self) -> dict[str, Any]:
+        """The levers auto-fit must keep: those the configs or the command line set (defaults excluded)."""
+        try:
+            given = self.parser.parse_args(self._args, defaults=False).get(str(self.subcommand))
+        except Exception:
+            given = None
+        trainer = (given.get("trainer") if given is not None else None) or {}
+        model = (given.get("model") if given is not None else None) or {}
+        init = model.get("init_args", model) if hasattr(model, "get") else {}
+        return {
+            "precision": trainer.get("precision"),
+            "accumulate_grad_batches": trainer.get("accumulate_grad_batches"),
+            "activation_checkpointing": init.get("activation_checkpointing") if hasattr(init, "get") else None,
+        }
+
     def _checkpoint_step(self) -> int:
         path = self.config[self.subcommand].get("ckpt_path")
         try:
@@ -267,6 +291,23 @@ class DiTCLI(LightningCLI):
         ):
             dropped.add("progress_bar")  # the user's bar, or none: ours would clash
         parser.callback_keys = [k for k in parser.callback_keys if k not in dropped]
+        # ---- auto-fit (issue 19): decide before the Trainer exists; the callback applies and recovers
+        auto_fit = AutoFitConfig.of(self._get(self.config_init, "auto_fit", default=None))
+        if self.subcommand == "fit" and auto_fit is not None:
+            from .callbacks.autofit import prepare_cli_fit
+
+            callback, settings = prepare_cli_fit(
+                auto_fit,
+                self.model,
+                self.datamodule,
+                trainer_config,
+                self._explicit_settings(),
+                self.config[self.subcommand].get("ckpt_path"),
+            )
+            kwargs.update(settings)
+            user_callbacks = [*user_callbacks, callback]
+            kwargs["callbacks"] = user_callbacks
+        # ----
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in user_callbacks):
             user_callbacks = [*user_callbacks, PredictionWriter()]  # predictions are kept, in the run's directory
             kwargs["callbacks"] = user_callbacks

@@ -323,7 +323,13 @@ class DiTModule(L.LightningModule):
             terms = self.diffusion.training_losses(net, x, t, model_kwargs=kwargs, noise=noise)
         return {k: v.mean() for k, v in terms.items()}
 
+    # auto-fit's out-of-memory recovery (dit_lightning.callbacks.autofit.AutoFit) sets this, with
+    # automatic_optimization off: it runs the step itself, split and redone by the setting in force
+    step_runner: Optional[Any] = None
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self.step_runner is not None:
+            return self.step_runner.training_step(self, batch, batch_idx)
         terms = self.diffusion_loss(self.model, batch, self.global_step, train=True)
         bs = batch["x"].shape[0]
         self.log("train/loss", terms["loss"], prog_bar=True, sync_dist=True, batch_size=bs)
@@ -354,6 +360,10 @@ class DiTModule(L.LightningModule):
             norm = grad_norm(self.model.parameters(), self._trainer.strategy if self._trainer is not None else None)
             if norm is not None:
                 self.log("train/grad_norm", norm, batch_size=1)
+        if not self.automatic_optimization and self._trainer is not None:
+            # auto-fit's manual steps: Lightning clips only automatic ones, so clip here (after the norm above)
+            trainer = self.trainer
+            self.configure_gradient_clipping(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
 
     def configure_gradient_clipping(
         self,

@@ -1,10 +1,12 @@
-"""``dit-lightning plan``: the planner as a command (a rich table in the terminal, or JSON)."""
+"""``dit-lightning plan``: the planner as a command (a rich table in the terminal, JSON, or with
+``--fit`` a hardware profile as YAML)."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any, Literal, Optional, Union
 
+from ..planner.hardware import gpu_names, gpu_spec, local_gpu
 from ..planner.memory import (
     CheckpointArg,
     DeviceKind,
@@ -15,6 +17,7 @@ from ..planner.memory import (
     Strategy,
     plan_memory,
 )
+from ..planner.profiles import fit_command, render_yaml
 from ..planner.recommend import Recommendation, recommend
 from ..planner.report import render_memory, render_recommendation
 
@@ -24,10 +27,13 @@ def plan(
     latent_size: int = 32,
     micro_batch: int = 32,
     precision: Optional[Precision] = None,
-    activation_checkpointing: CheckpointArg = "none",
+    activation_checkpointing: Optional[CheckpointArg] = None,
     strategy: Optional[Strategy] = None,
     sharding: Optional[Sharding] = None,
     world_size: int = 1,
+    num_nodes: int = 1,
+    shard_group: Optional[int] = None,
+    fsdp2: bool = False,
     optimizer: OptimizerName = "adamw",
     ema: bool = True,
     accumulate_grad_batches: int = 1,
@@ -41,7 +47,7 @@ def plan(
     steps: int = 400_000,
     mfu: Optional[float] = None,
     price_per_gpu_hour: Optional[float] = None,
-    format: Literal["table", "json"] = "table",
+    format: Literal["table", "json", "yaml"] = "table",
     depth: Optional[int] = None,
     hidden_size: Optional[int] = None,
     num_heads: Optional[int] = None,
@@ -56,15 +62,20 @@ def plan(
         latent_size: latent side: 32 for 256px images, 64 for 512px.
         micro_batch: per-GPU batch of one forward/backward (plan mode).
         precision: 32-true, 16-mixed or bf16-mixed (plan mode default bf16-mixed; fit: searched).
-        activation_checkpointing: recomputed blocks: a number (the first N), none, half or all (plan mode).
+        activation_checkpointing: recomputed blocks, as the model takes them: none, all, half, first:N, every:K
+            or a number N (plan mode default none; fit: searched when not given).
         strategy: ddp or fsdp (plan mode default ddp; fit: searched when not given).
         sharding: FSDP sharding: FULL_SHARD or SHARD_GRAD_OP (fit: searched when not given).
-        world_size: number of GPUs (data parallel).
+        world_size: number of GPUs (data parallel), over all nodes.
+        num_nodes: nodes the GPUs are spread over (--format yaml writes trainer.num_nodes).
+        shard_group: FSDP hybrid sharding (HSDP): shard within groups of this many GPUs (a node's).
+        fsdp2: --format yaml writes FSDP as FSDP2 (DiTFSDP2Strategy) rather than FSDP1.
         optimizer: adamw (2 fp32 states), adamw8bit (bitsandbytes) or sgd (momentum).
         ema: keep the fp32 EMA copy of the weights.
         accumulate_grad_batches: gradient accumulation (plan mode; >1 keeps gradients alive).
-        gpu: rtx3090, rtx4090, rtx-a6000, l4, l40s, v100-32gb, a100-40gb, a100-80gb, h100-80gb, h100-pcie, h200.
-        memory_gib: a memory budget in GiB (instead of, or overriding, the GPU's memory).
+        gpu: GPU_NAMES; the name torch.cuda.get_device_name() prints ("NVIDIA H100 80GB HBM3"); or auto (this
+            machine's first GPU).
+        memory_gib: a memory budget in GiB per GPU (instead of, or overriding, the GPU's memory).
         attention: SDPA kernel family (auto = flash-type, O(T); math = the T x T matrix).
         device: cuda (adds context, workspaces, fragmentation headroom) or cpu.
         fit: recommend micro-batch, accumulation, precision, checkpointing and strategy.
@@ -73,7 +84,7 @@ def plan(
         steps: optimiser steps of the run, for the time and cost estimate.
         mfu: measured utilisation of executed FLOPs (default 0.35 for 16-bit, 0.12 for fp32/TF32).
         price_per_gpu_hour: price of one GPU-hour, for the cost estimate.
-        format: table (rich) or json.
+        format: table (rich), json, or yaml (with --fit: a hardware profile to pass as --config).
         depth: override the named model's depth (or set it for custom).
         hidden_size: override the hidden size.
         num_heads: override the number of heads.
@@ -89,8 +100,23 @@ def plan(
         in_channels=in_channels,
         num_classes=num_classes,
     )
+    if format == "yaml" and not fit:
+        raise ValueError("--format yaml writes a hardware profile of a recommendation: add --fit")
+    if gpu is not None and gpu.strip().lower() == "auto":
+        name, spec, total_gib = local_gpu()
+        if spec is not None:
+            gpu = spec.name
+        else:  # a GPU the table does not list: its memory, with a nominal compute model
+            gpu = None
+            memory_gib = total_gib if memory_gib is None else memory_gib
+        print(
+            f"--gpu auto: {name} ({spec.name if spec else f'{total_gib:.1f} GiB, not in the table'})", file=sys.stderr
+        )
+    elif gpu is not None:
+        gpu = gpu_spec(gpu).name  # any spelling the table knows, or a clear error
+    result: Union[MemoryPlan, Recommendation]
     if fit:
-        result: Union[MemoryPlan, Recommendation] = recommend(
+        rec = recommend(
             model,
             gpu=gpu,
             num_gpus=world_size,
@@ -106,18 +132,25 @@ def plan(
             mfu=mfu,
             steps=steps,
             price_per_gpu_hour=price_per_gpu_hour,
+            activation_checkpointing=activation_checkpointing,
+            device=device,
+            attention=attention,
+            shard_group=shard_group,
             **shape,
         )
+        rec.command = fit_command(rec)
+        result = rec
     else:
         result = plan_memory(
             model,
             latent_size=latent_size,
             micro_batch=micro_batch,
             precision=precision or "bf16-mixed",
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing="none" if activation_checkpointing is None else activation_checkpointing,
             strategy=strategy or "ddp",
             sharding=sharding or "FULL_SHARD",
             world_size=world_size,
+            shard_group=shard_group,
             optimizer=optimizer,
             ema=ema,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -129,8 +162,16 @@ def plan(
         )
     if format == "json":
         sys.stdout.write(result.to_json() + "\n")
+    elif format == "yaml" and isinstance(result, Recommendation):
+        if world_size % num_nodes:
+            raise ValueError(f"--world_size {world_size} is not a multiple of --num_nodes {num_nodes}")
+        sys.stdout.write(render_yaml(result, num_nodes=num_nodes, fsdp2=fsdp2, shard_group=shard_group))
     elif isinstance(result, Recommendation):
         render_recommendation(result)
     else:
         render_memory(result)
     return result
+
+
+# The help lists the GPU table as it is (one source: planner/hardware.py).
+plan.__doc__ = (plan.__doc__ or "").replace("GPU_NAMES", gpu_names())

@@ -355,20 +355,23 @@ class LatentDataLoader(BatchDataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         s: LatentBatchSampler = self.sampler  # type: ignore[assignment]
         epoch, consumed = int(state.get("epoch", 0)), int(state.get("consumed_batches", 0))
-        same = (
-            state.get("seed") == s.seed
-            and state.get("micro_batch_size") == s.micro_batch_size
-            and state.get("num_replicas") == s.num_replicas
-            and state.get("num_samples") == len(s.indices)
-        )
+        same_order = state.get("seed") == s.seed and state.get("num_samples") == len(s.indices)
+        split = (state.get("micro_batch_size"), state.get("num_replicas"))
+        if same_order and consumed and split != (s.micro_batch_size, s.num_replicas) and None not in split:
+            # The same epoch order split differently (auto-fit changed the micro-batch, or the number of
+            # devices changed): micro-step k holds samples [k * step, (k + 1) * step) of the order whatever
+            # the split, so skip the same number of samples.
+            samples = consumed * int(split[0]) * int(split[1])  # type: ignore[arg-type]
+            consumed = samples // s.step_size if samples % s.step_size == 0 else -1
         if consumed >= len(s):
             epoch, consumed = epoch + 1, 0
-        if not same and consumed:
-            warnings.warn(
-                "the data settings changed since the checkpoint (seed, batch size, world size or split): "
-                "the resumed epoch restarts from its first batch",
-                stacklevel=2,
-            )
+        if not same_order or consumed < 0:
+            if consumed:
+                warnings.warn(
+                    "the data settings changed since the checkpoint (seed, split, or a batch split that does not "
+                    "line up with it): the resumed epoch restarts from its first batch",
+                    stacklevel=2,
+                )
             consumed = 0
         s.set_epoch(epoch)
         s.skip = consumed

@@ -75,22 +75,75 @@ _ALIASES = {
     "3090": "rtx3090",
     "4090": "rtx4090",
     "a6000": "rtx-a6000",
-    "a100": "a100-80gb",
     "a100-40": "a100-40gb",
     "a100-80": "a100-80gb",
-    "h100": "h100-80gb",
     "h100-sxm": "h100-80gb",
+    "h100-sxm5": "h100-80gb",
     "v100": "v100-32gb",
+}
+# Names that stand for more than one entry of the table: refused with the choices, never guessed
+# (an "A100" is a 40 GB or an 80 GB card, and the planner's answer differs).
+_AMBIGUOUS = {
+    "a100": ("a100-40gb", "a100-80gb"),
+    "h100": ("h100-80gb", "h100-pcie", "h100-nvl"),
 }
 
 
+def gpu_names() -> str:
+    """The GPU names of the table, comma-separated (for help texts and errors)."""
+    return ", ".join(GPUS)
+
+
 def gpu_spec(name: str) -> GPUSpec:
-    """Look up a GPU by name (``rtx4090``, ``a100-80gb``, ``h200``...; a few aliases work)."""
+    """Look up a GPU by its name in the table (``rtx4090``, ``a100-80gb``, ``h200``...), a few
+    aliases, or the name ``torch.cuda.get_device_name()`` prints (``NVIDIA H100 80GB HBM3``)."""
     key = name.strip().lower().replace("_", "-").replace(" ", "")
     key = _ALIASES.get(key, key)
-    if key not in GPUS:
-        raise ValueError(f"unknown GPU '{name}': choose one of {', '.join(GPUS)} or give memory_gib")
-    return GPUS[key]
+    if key in GPUS:
+        return GPUS[key]
+    if key in _AMBIGUOUS:
+        choices = " or ".join(_AMBIGUOUS[key])
+        raise ValueError(f"GPU '{name}' is ambiguous: say which one, {choices}")
+    from_device = spec_for_device_name(name)
+    if from_device is not None:
+        return from_device
+    raise ValueError(
+        f"unknown GPU '{name}': choose one of {gpu_names()} (or the name torch.cuda.get_device_name() "
+        "prints), 'auto' for this machine's GPU, or give memory_gib"
+    )
+
+
+# torch.cuda.get_device_name() spellings for the memory table (the peak-FLOP/s table below
+# matches fewer names: cards it does not list are left to Lightning's MFU table). First hit wins.
+_MEMORY_NAME_PATTERNS: list[tuple[str, str]] = [
+    ("a100-40gb", r"\ba100\b.*\b40\s?gb\b"),  # "NVIDIA A100-PCIE-40GB", "A100-SXM4-40GB"
+    ("rtx-a6000", r"\brtx a6000\b"),
+    ("l40s", r"\bl40s\b"),
+    ("l4", r"\bl4\b"),
+    ("v100-32gb", r"\bv100\b"),  # "Tesla V100-SXM2-32GB" (the 16 GB part is not in the table)
+]
+
+
+def spec_for_device_name(device_name: str) -> Optional[GPUSpec]:
+    """The table's entry for a ``torch.cuda.get_device_name()`` string, or None."""
+    name = device_name.lower()
+    if re.search(r"\bv100\b", name) and not re.search(r"32\s?gb", name):
+        return None  # a 16 GB V100: not in the table (give memory_gib)
+    for key, pattern in _MEMORY_NAME_PATTERNS:
+        if re.search(pattern, name):
+            return GPUS[key]
+    peak_key = device_key(device_name)
+    return GPUS[peak_key] if peak_key is not None else None
+
+
+def local_gpu(index: int = 0) -> tuple[str, Optional[GPUSpec], float]:
+    """(name, table entry or None, total GiB) of this machine's CUDA device ``index``."""
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "--gpu auto: no CUDA device is visible here; name the GPU (" + gpu_names() + ") or give memory_gib"
+        )
+    props = torch.cuda.get_device_properties(index)
+    return props.name, spec_for_device_name(props.name), props.total_memory / 1024**3
 
 
 # ---- peak FLOP/s by device name (MFU) -----------------------------------------------------

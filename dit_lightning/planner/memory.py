@@ -23,6 +23,7 @@ Validated against allocator-level measurements of real CPU training steps
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional, Union
 
@@ -36,7 +37,9 @@ Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP"]
 OptimizerName = Literal["adamw", "adamw8bit", "sgd"]
 AttentionKind = Literal["auto", "flash", "math"]
 DeviceKind = Literal["cuda", "cpu"]
-CheckpointArg = Union[int, Literal["none", "all", "half"]]
+# Recomputed blocks: a number N (the first N) or the model's own spelling: "none", "all", "half",
+# "first:N", "every:K" (a list of block indices in Python).
+CheckpointArg = Union[int, str]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -239,10 +242,12 @@ def nonblock_activation_terms(s: DiTShape, n: int, mixed: bool) -> dict[str, int
 # --------------------------------------------------------------------------------------
 
 
-def _resolve_checkpoint(spec: CheckpointArg, depth: int) -> int:
-    if isinstance(spec, str) and spec.isdigit():
+def checkpointed_block_indices(spec: Union[CheckpointArg, Sequence[int], None], depth: int) -> tuple[int, ...]:
+    """The blocks a checkpointing setting recomputes (as :class:`~dit_lightning.models.DiT` reads it;
+    a number written as a string, "12", is the first 12)."""
+    if isinstance(spec, str) and spec.strip().isdigit():
         spec = int(spec)
-    return len(resolve_checkpoint_blocks(spec, depth))
+    return resolve_checkpoint_blocks(spec, depth)
 
 
 def _optimizer_bytes(name: str, trainable: int) -> tuple[int, str]:
@@ -308,7 +313,7 @@ def plan_memory(
     latent_size: int = 32,
     micro_batch: int = 32,
     precision: Precision = "bf16-mixed",
-    activation_checkpointing: CheckpointArg = "none",
+    activation_checkpointing: Union[CheckpointArg, Sequence[int], None] = "none",
     strategy: Strategy = "ddp",
     sharding: Sharding = "FULL_SHARD",
     world_size: int = 1,
@@ -338,7 +343,8 @@ def plan_memory(
         latent_size: latent side (32 for 256px images, 64 for 512px).
         micro_batch: samples per GPU per forward/backward.
         precision: Lightning precision; ``*-mixed`` keeps fp32 weights and autocasts.
-        activation_checkpointing: number of recomputed blocks (the first N), or none/half/all.
+        activation_checkpointing: recomputed blocks: N (the first N), none, half, all, "first:N",
+            "every:K" or a list of block indices (the model's own settings).
         strategy, sharding, world_size: DDP (everything replicated) or FSDP (per-block
             wrapping; FULL_SHARD shards weights, gradients, optimizer and EMA; SHARD_GRAD_OP
             keeps full 16-bit weights during forward/backward).
@@ -381,7 +387,8 @@ def plan_memory(
     n = micro_batch
     mixed = precision != "32-true"
     attn: Literal["flash", "math"] = "flash" if attention == "auto" else attention
-    k = _resolve_checkpoint(activation_checkpointing, shape.depth)
+    recomputed = checkpointed_block_indices(activation_checkpointing, shape.depth)
+    k = len(recomputed)
     fsdp = strategy == "fsdp" and world_size > 1
     ddp = strategy == "ddp" and world_size > 1
     if shard_group is not None and (shard_group < 1 or world_size % shard_group):
@@ -410,7 +417,7 @@ def plan_memory(
     a_ckpt = checkpointed_block_bytes(shape, n)
     nb_terms = nonblock_activation_terms(shape, n, mixed)
     a_nonblock = sum(nb_terms.values())
-    ckpt = set(range(k))  # the project checkpoints the first N blocks
+    ckpt = set(recomputed)
     a_blocks = [a_ckpt if i in ckpt else a_full for i in range(shape.depth)]
     # autocast keeps 16-bit copies of matmul weights; FSDP's mixed precision replaces them
     w16_blk = 2 * p_blk if (mixed and not fsdp) else 0
@@ -479,7 +486,12 @@ def plan_memory(
             else (" (foreach: one fp32 temporary per parameter in the step)" if optimizer == "adamw" else "")
         ),
         "EMA: fp32 copy of all weights" + (" (sharded)" if fsdp else "") if ema else "no EMA",
-        f"activation checkpointing: the first {k} of {shape.depth} blocks keep only their input",
+        f"activation checkpointing: {k} of {shape.depth} blocks keep only their input"
+        + (
+            f" (blocks {', '.join(map(str, recomputed))})"
+            if 0 < k < shape.depth and recomputed != tuple(range(k))
+            else ""
+        ),
         "gradients set to None between steps (zero_grad(set_to_none=True))"
         + ("; kept alive across accumulated micro-batches" if persistent_grads else ""),
     ]

@@ -20,13 +20,27 @@ memory bandwidth.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ..models.flops import shape_of, training_flops
 from ..precision import to_dtype
-from .hardware import GPUSpec, gpu_spec
-from .memory import GiB, MemoryPlan, OptimizerName, Precision, Sharding, Strategy, param_counts, plan_memory
+from .hardware import GPUS, GPUSpec, gpu_spec, local_gpu
+from .memory import (
+    AttentionKind,
+    CheckpointArg,
+    DeviceKind,
+    GiB,
+    MemoryPlan,
+    OptimizerName,
+    Precision,
+    Sharding,
+    Strategy,
+    checkpointed_block_indices,
+    param_counts,
+    plan_memory,
+)
 
 # Assumed hardware utilisation of executed FLOPs, relative to the dense peak of the precision.
 DEFAULT_MFU = {"bf16-mixed": 0.35, "16-mixed": 0.35, "32-true": 0.12}
@@ -52,6 +66,35 @@ class Candidate:
     total_gib: float
     step_time_s: float
     images_per_s: float
+    total_bytes: int = 0  # the predicted memory per device, exactly (total_gib is rounded)
+    activation_checkpointing: str = "none"  # the model's spelling of the recomputed blocks
+
+    @property
+    def setting(self) -> tuple[str, int, str]:
+        """(precision, micro-batch, activation checkpointing): what a run sets per device."""
+        return (self.precision, self.micro_batch, self.activation_checkpointing)
+
+
+def checkpoint_spelling(blocks: int, depth: int) -> str:
+    """The model's spelling of "recompute the first N blocks": none, all or first:N."""
+    if blocks <= 0:
+        return "none"
+    return "all" if blocks >= depth else f"first:{blocks}"
+
+
+def nominal_spec(memory_gib: float, device: str = "cuda", bf16: bool = True) -> GPUSpec:
+    """A stand-in device for a memory budget without a GPU type: step times are only relative."""
+    return GPUSpec(
+        "cpu" if device == "cpu" else "unknown GPU",
+        memory_gib,
+        memory_gib,
+        bf16_tflops=100.0 if bf16 else 0.0,
+        fp16_tflops=100.0,
+        tf32_tflops=50.0,
+        fp32_tflops=25.0,
+        bandwidth_tbs=1.0,
+        link_gbs=12.0,
+    )
 
 
 @dataclass
@@ -83,6 +126,11 @@ class Recommendation:
     lightning_args: list[str] = field(default_factory=list)
     alternatives: list[Candidate] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
+    activation_checkpointing: str = "none"  # the model's spelling of checkpointed_blocks
+    device: str = "cuda"
+    budget_gib: Optional[float] = None  # the memory per device the search fitted into
+    nominal_device: bool = False  # no GPU type: step times are relative, not predictions
+    command: str = ""  # a `dit-lightning fit --config ...` line (set by the plan command)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -148,7 +196,7 @@ def _divisors(n: int) -> list[int]:
 
 def recommend(
     model: str = "DiT-XL/2",
-    gpu: Optional[str] = "rtx4090",
+    gpu: Optional[Union[str, GPUSpec]] = "rtx4090",
     num_gpus: int = 1,
     global_batch: int = 256,
     latent_size: int = 32,
@@ -163,26 +211,53 @@ def recommend(
     steps: int = 400_000,
     price_per_gpu_hour: Optional[float] = None,
     top: int = 8,
+    activation_checkpointing: Union[CheckpointArg, Sequence[int], None] = None,
+    device: DeviceKind = "cuda",
+    attention: AttentionKind = "auto",
+    fused_optimizer: Optional[bool] = None,
+    ddp_gradient_as_bucket_view: bool = True,
+    shard_group: Optional[int] = None,
     **shape_kwargs: Any,
 ) -> Recommendation:
     """Recommend the fastest configuration of ``num_gpus`` GPUs that fits at ``global_batch``.
 
     Args:
         model, latent_size, shape_kwargs: the network (see :func:`plan_memory`).
-        gpu: GPU type (its memory, peak compute, bandwidth); ``memory_gib`` overrides its memory.
+        gpu: GPU type (its memory, peak compute, bandwidth): a name of the table, the name
+            ``torch.cuda.get_device_name()`` prints, ``"auto"`` (this machine's device 0) or a
+            :class:`GPUSpec`; ``memory_gib`` overrides its memory. Without a GPU type (None) a
+            ``memory_gib`` budget is searched with a nominal device: the ranking holds, the times
+            are only relative.
         num_gpus: data-parallel world size; ``global_batch`` must be divisible by it.
-        precision / strategy / sharding / micro_batch: pin a choice (default: search).
+        precision / strategy / sharding / micro_batch / activation_checkpointing: pin a choice
+            (default: search; the checkpointing pin takes the model's spellings).
         mfu: measured utilisation of the executed FLOPs (default 0.35 for 16-bit, 0.12 for fp32).
         steps, price_per_gpu_hour: for the time and cost of the run.
         top: how many alternatives to keep in the ranking.
+        device: ``cuda`` (context, workspaces, fragmentation counted) or ``cpu`` (what the CPU
+            allocator sees; the search then keeps to 32-true unless a precision is pinned: 16-bit
+            matmuls are slow on most CPUs).
+        attention, fused_optimizer, ddp_gradient_as_bucket_view, shard_group: as in :func:`plan_memory`.
     """
     if global_batch % num_gpus:
         raise ValueError(f"global batch {global_batch} is not divisible by {num_gpus} GPUs")
-    spec = gpu_spec(gpu) if gpu else None
-    if spec is None:
+    nominal = False
+    if isinstance(gpu, GPUSpec):
+        spec = gpu
+    elif gpu is not None and gpu.strip().lower() == "auto":
+        _name, found, total_gib = local_gpu()
+        spec = found if found is not None else nominal_spec(total_gib, "cuda")
+        nominal = found is None
+    elif gpu:
+        spec = gpu_spec(gpu)
+    elif memory_gib is not None:
+        spec, nominal = nominal_spec(memory_gib, device), True
+    else:
         raise ValueError(
-            "recommend needs a GPU type (for its compute and bandwidth); memory_gib may override its memory"
+            "recommend needs a GPU type (gpu: a name of the table, or 'auto' for this machine's GPU) or a memory "
+            "budget (memory_gib): the search fits settings into a memory"
         )
+    budget_gib = memory_gib if memory_gib is not None else spec.usable_gib
     per_gpu = global_batch // num_gpus
     shape = shape_of(model, input_size=latent_size, **shape_kwargs)
     depth = shape.depth
@@ -192,8 +267,13 @@ def recommend(
     layouts: list[tuple[Strategy, Optional[Sharding]]]
     if precision is not None:
         precisions = [precision]
+    elif device == "cpu":
+        precisions = ["32-true"]
     else:
         precisions = ["bf16-mixed" if spec.supports_bf16 else "16-mixed", "32-true"]
+    pinned_blocks = (
+        None if activation_checkpointing is None else checkpointed_block_indices(activation_checkpointing, depth)
+    )
     if num_gpus == 1:
         layouts = [("ddp", None)]
     elif strategy == "ddp":
@@ -208,7 +288,9 @@ def recommend(
             f"micro-batch {micro_batch} does not divide the per-GPU batch {per_gpu} ({global_batch}/{num_gpus})"
         )
 
-    def memory(prec: Precision, strat: Strategy, shard: Optional[Sharding], mb: int, k: int) -> MemoryPlan:
+    def memory(
+        prec: Precision, strat: Strategy, shard: Optional[Sharding], mb: int, k: Union[int, Sequence[int]]
+    ) -> MemoryPlan:
         return plan_memory(
             model,
             micro_batch=mb,
@@ -218,12 +300,15 @@ def recommend(
             sharding=shard or "FULL_SHARD",
             world_size=num_gpus,
             optimizer=optimizer,
+            fused_optimizer=fused_optimizer,
             ema=ema,
             accumulate_grad_batches=per_gpu // mb,
-            ddp_gradient_as_bucket_view=True,  # recommended: no second copy of the gradients
-            gpu=spec.name,
-            memory_gib=memory_gib,
-            device="cuda",
+            ddp_gradient_as_bucket_view=ddp_gradient_as_bucket_view,  # the project's DDP: no second gradient copy
+            gpu=spec.name if spec.name in GPUS else None,
+            memory_gib=budget_gib,
+            attention=attention,
+            device=device,
+            shard_group=shard_group,
             **skw,
         )
 
@@ -231,8 +316,11 @@ def recommend(
     for prec in precisions:
         for strat, shard in layouts:
             for mb in micros:
+                if pinned_blocks is not None:  # the user's blocks: no search
+                    plan_k, k = memory(prec, strat, shard, mb, list(pinned_blocks)), len(pinned_blocks)
+                    fits = bool(plan_k.fits)
                 # smallest k that fits: memory is non-increasing in k, so bisect on [0, depth]
-                if not memory(prec, strat, shard, mb, depth).fits:
+                elif not memory(prec, strat, shard, mb, depth).fits:
                     plan_k, k = memory(prec, strat, shard, mb, depth), depth
                     fits = False
                 else:
@@ -258,6 +346,12 @@ def recommend(
                     total_gib=round(plan_k.total / GiB, 2),
                     step_time_s=round(t, 4),
                     images_per_s=round(global_batch / t, 2),
+                    total_bytes=plan_k.total,
+                    activation_checkpointing=(
+                        str(activation_checkpointing)
+                        if pinned_blocks is not None and not isinstance(activation_checkpointing, (list, tuple))
+                        else checkpoint_spelling(k, depth)
+                    ),
                 )
                 evaluated.append((cand, plan_k))
 
@@ -301,7 +395,7 @@ def recommend(
         f"--trainer.precision {best.precision}",
         f"--trainer.accumulate_grad_batches {best.accumulate_grad_batches}",
         f"--data.global_batch_size {global_batch}",
-        f"--model.activation_checkpointing {best.checkpointed_blocks}",
+        f"--model.activation_checkpointing {best.activation_checkpointing}",
     ]
     if num_gpus > 1:
         if best.strategy == "ddp":  # the project's DDP strategy: gradient_as_bucket_view=True
@@ -323,14 +417,22 @@ def recommend(
         "below; "
         f"{LAUNCH_S * 1e6:g} us per kernel launch floor; AdamW + EMA at 70% of {spec.bandwidth_tbs} TB/s",
     ]
-    if num_gpus > 1:
+    if nominal:
+        assumptions.insert(
+            0,
+            f"no GPU type: a {budget_gib:g} GiB budget on a nominal {spec.name} (the ranking holds; the step "
+            "times are relative, not predictions)",
+        )
+    if device == "cpu" and precision is None:
+        assumptions.append("CPU: 32-true only (16-bit matmuls are slower than fp32 on most CPUs)")
+    if num_gpus > 1 and ddp_gradient_as_bucket_view:
         assumptions.append("DDP with gradient_as_bucket_view=True (no bucket copy of the gradients)")
         assumptions.append(
             f"communication over ~{spec.link_gbs:g} GB/s links, overlapped with compute (step = max of the two)"
         )
     return Recommendation(
         model=model,
-        gpu=spec.name,
+        gpu=None if nominal else spec.name,
         world_size=num_gpus,
         global_batch=global_batch,
         feasible=best.fits,
@@ -354,6 +456,10 @@ def recommend(
         lightning_args=args,
         alternatives=[c for c, _ in evaluated[:top]],
         assumptions=assumptions,
+        activation_checkpointing=best.activation_checkpointing,
+        device=device,
+        budget_gib=budget_gib,
+        nominal_device=nominal,
     )
 
 

@@ -50,19 +50,24 @@ def render_recommendation(rec: Recommendation, console=None) -> None:
 
     console = console or Console()
     head = "[green]fits[/green]" if rec.feasible else "[red]nothing fits: closest shown[/red]"
+    where = rec.gpu or f"{rec.device} device(s) of {rec.budget_gib:g} GiB"
     console.print(
-        f"[bold]{rec.model} on {rec.world_size}x {rec.gpu}, global batch {rec.global_batch}[/bold]: {head}\n"
+        f"[bold]{rec.model} on {rec.world_size}x {where}, global batch {rec.global_batch}[/bold]: {head}\n"
         f"  micro-batch {rec.micro_batch} x {rec.world_size} GPUs x {rec.accumulate_grad_batches} accumulation = "
         f"{rec.global_batch}; "
         f"{rec.precision}; checkpoint {rec.checkpointed_blocks}/{rec.depth} blocks; {rec.strategy}"
         + (f" {rec.sharding}" if rec.sharding else "")
     )
-    cost = f", ${rec.cost:,.0f} at ${rec.price_per_gpu_hour}/GPU-hour" if rec.cost is not None else ""
-    console.print(
-        f"  ~{rec.step_time_s:.3f} s/step, {rec.images_per_s:.0f} images/s, MFU {rec.model_flops_utilisation:.0%}; "
-        f"{rec.steps:,} steps: {rec.hours:,.1f} h ({rec.gpu_hours:,.0f} GPU-hours{cost})"
-    )
-    console.print("  dit-lightning fit " + " ".join(rec.lightning_args))
+    if rec.nominal_device:
+        console.print("  (no GPU type given: step times below are relative to a nominal device, not predictions)")
+    else:
+        cost = f", ${rec.cost:,.0f} at ${rec.price_per_gpu_hour}/GPU-hour" if rec.cost is not None else ""
+        console.print(
+            f"  ~{rec.step_time_s:.3f} s/step, {rec.images_per_s:.0f} images/s, MFU "
+            f"{rec.model_flops_utilisation:.0%}; {rec.steps:,} steps: {rec.hours:,.1f} h "
+            f"({rec.gpu_hours:,.0f} GPU-hours{cost})"
+        )
+    console.print("  " + (rec.command or "dit-lightning fit " + " ".join(rec.lightning_args)), soft_wrap=True)
     table = Table(title="candidates (fastest first)", title_justify="left")
     for col in ("precision", "strategy", "micro", "accum", "ckpt", "GiB", "fits", "s/step", "img/s"):
         table.add_column(col, justify="right")
