@@ -517,7 +517,8 @@ def nothing_fits_message(problem: FitProblem, ranking: list[Setting]) -> str:
                     f"{n} devices with FSDP full sharding (each holds 1/{n} of the state): {_size(smallest_of(q))} *"
                 )
                 break
-    levers.append(f"a device with {_size(need)} for the run (+ the margin) *, or a smaller model")
+    margin = " plus the margin" if p.device == "cuda" else ""
+    levers.append(f"a device with {_size(need)} free for the run{margin} *, or a smaller model")
     lines += [f"  - {lever}" for lever in levers]
     return "\n".join(lines)
 

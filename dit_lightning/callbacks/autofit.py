@@ -313,9 +313,9 @@ class AutoFit(L.Callback):
         if obstacle and self.config.oom_recovery:
             raise ValueError(f"--auto_fit.oom_recovery true cannot run here: {obstacle}")
         self.step_mode = self.config.recovery and obstacle is None
-        if (
-            self.step_mode
-        ):  # Lightning's advice for manual steps; the checkpoint holds the state after the step, as usual
+        if self.step_mode:
+            # Lightning's advice for manual optimisation does not apply: checkpoints hold the state after
+            # a step, as in every run
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
         if obstacle and self.config.recovery:
             _say(trainer, f"auto-fit: out-of-memory recovery is off: {obstacle}")

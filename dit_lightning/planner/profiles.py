@@ -407,7 +407,11 @@ def fit_command(rec: Recommendation) -> str:
     if rec.model in DIT_CONFIGS:
         parts.append(f"--config configs/model/{slug}.yaml")
     else:
-        parts.append(f"--model.model {rec.model}")
+        m = rec.memory
+        parts.append(
+            f"--model.model {rec.model} --model.depth {m.depth} --model.hidden_size {m.hidden_size} "
+            f"--model.num_heads {m.num_heads} --model.patch_size {m.patch_size}"
+        )
     latent = rec.memory.latent_size
     data = {32: "imagenet256", 64: "imagenet512"}.get(latent)
     parts.append(f"--config configs/data/{data}.yaml" if data else "--data.path YOUR_LATENT_STORE")

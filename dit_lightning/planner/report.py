@@ -53,7 +53,8 @@ def render_recommendation(rec: Recommendation, console=None) -> None:
     where = rec.gpu or f"{rec.device} device(s) of {rec.budget_gib:g} GiB"
     console.print(
         f"[bold]{rec.model} on {rec.world_size}x {where}, global batch {rec.global_batch}[/bold]: {head}\n"
-        f"  micro-batch {rec.micro_batch} x {rec.world_size} GPUs x {rec.accumulate_grad_batches} accumulation = "
+        f"  micro-batch {rec.micro_batch} x {rec.world_size} {'GPU' if rec.device == 'cuda' else 'device'}"
+        f"{'s' if rec.world_size > 1 else ''} x {rec.accumulate_grad_batches} accumulation = "
         f"{rec.global_batch}; "
         f"{rec.precision}; checkpoint {rec.checkpointed_blocks}/{rec.depth} blocks; {rec.strategy}"
         + (f" {rec.sharding}" if rec.sharding else "")
@@ -69,7 +70,18 @@ def render_recommendation(rec: Recommendation, console=None) -> None:
         )
     console.print("  " + (rec.command or "dit-lightning fit " + " ".join(rec.lightning_args)), soft_wrap=True)
     table = Table(title="candidates (fastest first)", title_justify="left")
-    for col in ("precision", "strategy", "micro", "accum", "ckpt", "GiB", "fits", "s/step", "img/s"):
+    small = all(c.total_bytes < GiB for c in rec.alternatives) and bool(rec.alternatives)
+    for col in (
+        "precision",
+        "strategy",
+        "micro",
+        "accum",
+        "ckpt",
+        "MiB" if small else "GiB",
+        "fits",
+        "s/step",
+        "img/s",
+    ):
         table.add_column(col, justify="right")
     for c in rec.alternatives:
         table.add_row(
@@ -78,7 +90,7 @@ def render_recommendation(rec: Recommendation, console=None) -> None:
             str(c.micro_batch),
             str(c.accumulate_grad_batches),
             str(c.checkpointed_blocks),
-            f"{c.total_gib:.1f}",
+            f"{c.total_bytes / 2**20:.1f}" if small else f"{c.total_gib:.1f}",
             "yes" if c.fits else "no",
             f"{c.step_time_s:.3f}",
             f"{c.images_per_s:.0f}",

@@ -11,6 +11,7 @@ own gradient accumulation) with that setting.
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
@@ -187,3 +188,49 @@ def test_speed_up_when_safe_steps_back_up_and_keeps_only_what_fits(store, tmp_pa
     assert [h["kind"] for h in fit.history][-2:] == ["speed-up", "the faster setting being tried ran out of memory"]
     assert fit.setting is not None and fit.setting.micro_batch == 16 and fit.backoffs == 2
     assert max_diff(b.model, reference.model) <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dit_xl2_started_too_big_on_a_real_gpu_backs_off_to_a_setting_that_fits(tmp_path):
+    """The GPU acceptance of auto-fit: DiT-XL/2 at a global batch of 512 on one GPU, the planner told
+    the card has four times its free memory (so it starts at a micro-batch that cannot fit), real
+    CUDA out-of-memory errors, back-offs, and two completed steps on a setting the planner predicts
+    to fit the card's real free memory."""
+    from dit_lightning.autofit import cuda_budget, decide
+    from dit_lightning.planner.memory import GiB
+    from tests.helpers.data import make_random_store
+
+    store = make_random_store(str(tmp_path / "latents"), n=1024, latent_shape=(4, 32, 32), shard_size=512)
+    budget, _ = cuda_budget(0, margin_gib=1.0)
+    L.seed_everything(0, verbose=False)
+    dm = LatentDataModule(store.path, global_batch_size=512, num_workers=2, val_size=0)
+    module = DiTModule("DiT-XL/2", latent_shape=dm.latent_shape, num_classes=dm.num_classes, vae=dm.spec.vae)
+    fit = AutoFit(memory_gib=4 * budget / GiB, max_backoffs=12)
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[fit],
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, dm)
+    assert trainer.global_step == 2 and fit.backoffs >= 1 and fit.setting is not None and fit.problem is not None
+    real = fit.problem.with_budget(budget, "the card's free memory")
+    landed = fit.setting
+    assert real.fits(landed), "the setting the run survived on is one the planner predicts to fit the card"
+    # the planner's own choice at the micro-batch it landed on, for the memory really there
+    pinned = decide(dataclasses.replace(real, accumulate_grad_batches=landed.accumulate_grad_batches, _cache={}))
+    measured = fit.probe.peak() if fit.probe is not None else 0
+    print(
+        f"GPU auto-fit: {torch.cuda.get_device_name()}, free budget {budget / GiB:.1f} GiB; started "
+        f"{fit.history[0]['from']}, landed on {landed.short()} after {fit.backoffs} back-offs "
+        f"(predicted {real.peak(landed) / GiB:.1f} GiB, measured {measured / GiB:.1f} GiB); the planner's "
+        f"setting for that micro-batch: {pinned.chosen.short()}"
+    )
+    assert landed.checkpointed_blocks >= pinned.chosen.checkpointed_blocks or landed.micro_batch < 512
