@@ -21,7 +21,7 @@ from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
-from .precision import is_fp16
+from .precision import grad_scaler, is_fp16, pending_grad_scale
 from .sampling import Sampler, sample_latents
 from .vae import DEFAULT_SCALE_FACTOR, clip_denoised_for, decode_latents, is_pixel_space, load_vae
 
@@ -272,6 +272,12 @@ class DiTModule(L.LightningModule):
         every = self.trainer.log_every_n_steps if self._trainer is not None else 1
         if self.global_step % max(1, every) == 0:
             norm = grad_norm(self.model.parameters(), self._trainer.strategy if self._trainer is not None else None)
+            scaler = grad_scaler(self._trainer)
+            if scaler is not None:  # 16-mixed: the GradScaler's current loss scale
+                self.log("train/loss_scale", float(scaler.get_scale()), batch_size=1)
+            pending = pending_grad_scale(self._trainer, optimizer)
+            if norm is not None and pending:  # fused AdamW unscales inside its step: not yet done here
+                norm = norm / pending
             if norm is not None:
                 self.log("train/grad_norm", norm, batch_size=1)
 
