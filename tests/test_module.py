@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader
 
 from dit_lightning.models import DiT
 from dit_lightning.module import DiTModule
+from tests.helpers.models import randomize
 from tests.helpers.training import TINY_MODULE as TINY
 from tests.helpers.training import DictDataset, trainer
 
@@ -197,6 +198,24 @@ def test_no_loss_scale_without_grad_scaler():
     record = _Metrics()
     trainer(max_steps=1, log_every_n_steps=1, callbacks=[record]).fit(module, DataLoader(DictDataset(), batch_size=8))
     assert "train/grad_norm" in record.steps[0] and "train/loss_scale" not in record.steps[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention needs a CUDA device")
+def test_flash_and_math_attention_agree_in_bf16_on_gpu():
+    """The forced SDPA kernels run (flash needs fp16/bf16 inputs) and compute the same loss."""
+    batch = {k: v.cuda() for k, v in next(iter(DataLoader(DictDataset(8), batch_size=8))).items()}
+    reference = DiTModule(**TINY)
+    randomize(reference.model)  # a fresh DiT outputs 0 (adaLN-Zero): attention would not matter
+    losses = {}
+    for backend in ("flash", "math", "auto"):
+        module = DiTModule(**TINY, attention_backend=backend)
+        module.load_state_dict(reference.state_dict())
+        module.cuda()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            losses[backend] = module.diffusion_loss(module.model, batch, 0, train=False)["loss"].float()
+    torch.testing.assert_close(losses["flash"], losses["math"], rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(losses["auto"], losses["flash"], rtol=2e-2, atol=1e-3)
 
 
 @pytest.mark.gpu
