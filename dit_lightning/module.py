@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor, nn
 
 from .checkpoints import check_dit_weights, load_dit_weights, read_checkpoint, strip_prefix
@@ -194,6 +195,12 @@ class DiTModule(L.LightningModule):
             # (fused AdamW under GradScaler): keep clipping, use the foreach kernel.
             if choice is True:
                 log.warning("fused AdamW cannot be combined with gradient clipping under 16-mixed: using foreach AdamW")
+            return False
+        if fp16 and isinstance(trainer.strategy, FSDPStrategy):
+            # FSDP1's ShardedGradScaler agrees on inf/NaN across ranks only in unscale_(), which Lightning
+            # skips for optimisers that unscale inside their step: each rank would skip steps on its own.
+            if choice is True:
+                log.warning("fused AdamW under FSDP1 with 16-mixed would skip steps per rank: using foreach AdamW")
             return False
         return True
 

@@ -1,6 +1,8 @@
 """DiTModule: EMA under accumulation, the loss, warm-up, mixed precision, sampling, init_from and
 resume of other architectures, FLOPs, compile and attention backends."""
 
+from types import SimpleNamespace
+
 import lightning as L
 import pytest
 import torch
@@ -151,6 +153,26 @@ def test_forced_attention_backend_matches_auto():
         la = a.diffusion_loss(a.model, batch, 0, train=False)["loss"]
         lb = b.diffusion_loss(b.model, batch, 0, train=False)["loss"]
     torch.testing.assert_close(la, lb)
+
+
+def _fused_choice(strategy, precision, clip, device="cuda"):
+    module = DiTModule(**TINY)
+    module._device = torch.device(device, 0) if device == "cuda" else torch.device(device)  # no CUDA call is made
+    module._trainer = SimpleNamespace(gradient_clip_val=clip, precision=precision, strategy=strategy)
+    return module._use_fused()
+
+
+def test_fused_adamw_is_chosen_where_lightning_and_the_scaler_allow_it():
+    from dit_lightning.distributed import DiTDDPStrategy, DiTFSDPStrategy
+
+    ddp, fsdp1 = DiTDDPStrategy(), DiTFSDPStrategy(param_dtype="bfloat16")
+    assert _fused_choice(ddp, "bf16-mixed", 1.0) is True
+    assert _fused_choice(ddp, "16-mixed", None) is True  # GradScaler hands the scale to the fused kernel
+    assert _fused_choice(ddp, "16-mixed", 1.0) is False  # Lightning refuses to clip for it
+    assert _fused_choice(fsdp1, "bf16-mixed", None) is True
+    # ShardedGradScaler would decide per rank whether to skip a step (its all-reduce is in unscale_ only)
+    assert _fused_choice(fsdp1, "16-mixed", None) is False
+    assert _fused_choice(ddp, "bf16-mixed", None, device="cpu") is False
 
 
 class _Metrics(L.Callback):
