@@ -31,7 +31,8 @@ import torch
 from dit_lightning.atomic import write_text
 from dit_lightning.diffusion import create_diffusion
 from dit_lightning.models import DiTShape, build_dit, dit_macs
-from dit_lightning.sampling import guided_model_fn, sample_latents, step_noise
+from dit_lightning.precision import SamplingPrecision
+from dit_lightning.sampling import Sampler, guided_model_fn, sample_latents, step_noise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,7 +125,7 @@ def main() -> None:
     p.add_argument("--num-heads", type=int)
     p.add_argument("--num-classes", type=int, default=1000)
     args = p.parse_args()
-    precisions = [x.strip() for x in args.precision.split(",") if x.strip()]
+    precisions: list[SamplingPrecision] = [x.strip() for x in args.precision.split(",") if x.strip()]
     bad = [x for x in precisions if x not in ("fp32", "bf16", "fp16")]
     if bad or not precisions:
         p.error(f"--precision: unknown {bad}; use fp32, bf16 or fp16 (comma-separated for several)")
@@ -143,7 +144,7 @@ def main() -> None:
     n, b = args.num_samples, min(args.batch_size, args.num_samples)
     labels = torch.arange(n, device=device) % net.num_classes
 
-    def ours(sampler: str, steps: int, precision: str) -> Callable[[], Any]:
+    def ours(sampler: Sampler, steps: int, precision: SamplingPrecision) -> Callable[[], Any]:
         def run() -> None:
             for s in range(0, n, b):
                 idx = torch.arange(s, min(n, s + b))
@@ -159,7 +160,7 @@ def main() -> None:
 
         return run
 
-    def ref(steps: int, precision: str) -> Callable[[], Any]:
+    def ref(steps: int, precision: SamplingPrecision) -> Callable[[], Any]:
         def run() -> None:
             for s in range(0, n, b):
                 reference_loop(net, labels[s : s + b], steps, args.cfg_scale, precision, seed=s)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import functools
 import io
 import json
 import math
@@ -286,7 +287,7 @@ def install(args: argparse.Namespace, started: float) -> tuple[str, dict[str, st
     left = budget - (time.time() - started)
     print(f"installing into {ROOT / '.venv'} (pip install -e '.[test]')", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(ROOT / ".venv")], cwd=ROOT, check=True, timeout=max(left, 30))
-    pip = [str(venv_python), "-m", "pip", "install", "-q"]
+    pip = [str(venv_python), "-m", "pip", "install", "-q", "--retries", "1", "--timeout", "15"]  # fail fast offline
     subprocess.run(pip + ["--upgrade", "pip"], cwd=ROOT, check=False, timeout=max(left, 30))
     proc = subprocess.run(pip + ["-e", ".[test]"], cwd=ROOT, timeout=max(budget - (time.time() - started), 60))
     if proc.returncode != 0:
@@ -671,7 +672,7 @@ def stage_fit(ctx: Context) -> None:
             return
         check_resume(ctx, "fit", spec.name, full, resumed, s["every"], s["steps"])
 
-    parallel([lambda spec=spec: job(spec) for spec in specs], workers=2 if ctx.dry else len(specs))
+    parallel([functools.partial(job, spec) for spec in specs], workers=2 if ctx.dry else len(specs))
 
 
 def expected_peak(ctx: Context, dtype: str, tf32: bool) -> Optional[float]:
@@ -773,7 +774,7 @@ def stage_distributed(ctx: Context) -> None:
             procs[f"{name}.resumed"] = fit(ctx, rconfig, base / f"{name}.resumed" / "fit.log", ckpt_path=start)
 
     order = sorted(runs, key=lambda n: runs[n][1] == 1)  # the 2-process runs first: they take longest
-    parallel([lambda n=n: job(n) for n in order], workers=2 if ctx.dry else len(runs))
+    parallel([functools.partial(job, n) for n in order], workers=2 if ctx.dry else len(runs))
     ref, single = base / "single", procs.get("single")
     ref_w = None
     if single is not None and single.ok:
@@ -983,7 +984,7 @@ def describe_environment(ctx: Context) -> None:
         key = device_key(ctx.device_name)
         ctx.slug = key or re.sub(r"[^a-z0-9]+", "-", ctx.device_name.lower()).strip("-")
     else:
-        env["device"] = "CPU (dry run)" if ctx.dry else "no CUDA device"
+        env["device"] = f"CPU ({platform.processor() or platform.machine()})" if ctx.dry else "no CUDA device"
         ctx.slug = "dry-run-cpu" if ctx.dry else "no-gpu"
     pins = re.findall(r'"(torch|lightning)[=<>]=?([^"]*)"', (ROOT / "pyproject.toml").read_text())
     env["pinned"] = ", ".join(f"{n}{v}" for n, v in pins)
@@ -1083,8 +1084,9 @@ def write_report(ctx: Context, final: bool) -> Path:
         writer.writerow(asdict(Check(st.name, "stage", st.status, f"{st.seconds:.1f} s", f"<= {st.budget_s:.0f} s")))
     for c in ctx.checks:
         writer.writerow(asdict(c))
-    for c in ctx.claims:
-        writer.writerow(asdict(Check("summary", c["claim"], c.get("verdict", ""), c["measured"], c["claimed"])))
+    for claim in ctx.claims:
+        row = Check("summary", claim["claim"], claim.get("verdict", ""), claim["measured"], claim["claimed"])
+        writer.writerow(asdict(row))
     _write_text(stem.with_suffix(".csv"), buf.getvalue())
     return stem
 

@@ -196,7 +196,7 @@ class DiTModule(L.LightningModule):
             if choice is True:
                 log.warning("fused AdamW cannot be combined with gradient clipping under 16-mixed: using foreach AdamW")
             return False
-        if fp16 and isinstance(trainer.strategy, FSDPStrategy):
+        if fp16 and trainer is not None and isinstance(trainer.strategy, FSDPStrategy):
             # FSDP1's ShardedGradScaler agrees on inf/NaN across ranks only in unscale_(), which Lightning
             # skips for optimisers that unscale inside their step: each rank would skip steps on its own.
             if choice is True:

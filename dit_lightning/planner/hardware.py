@@ -155,10 +155,11 @@ def tf32_enabled() -> bool:
     and can disagree with the new API after both were, so it is only the fallback ("none" means
     nothing was set for this backend).
     """
+    setting = "none"
     try:
         setting = str(torch.backends.cuda.matmul.fp32_precision)
     except (AttributeError, RuntimeError):  # torch < 2.9
-        setting = "none"
+        pass
     if setting in ("tf32", "ieee"):
         return setting == "tf32"
     try:
