@@ -138,7 +138,8 @@ def main() -> None:
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
     sizes = dict(depth=args.depth, hidden_size=args.hidden_size, num_heads=args.num_heads)
-    net = build_dit(args.model, input_size=args.latent_size, num_classes=args.num_classes, **sizes)
+    with torch.device(device):  # initialise on the device: DiT-XL/2's 675M parameters take long on a CPU
+        net = build_dit(args.model, input_size=args.latent_size, num_classes=args.num_classes, **sizes)
     net = net.to(device).eval().requires_grad_(False)
     macs = dit_macs(DiTShape.of(net))
     n, b = args.num_samples, min(args.batch_size, args.num_samples)

@@ -89,7 +89,7 @@ BUDGETS = {
     "fit": (105, 75),
     "distributed": (60, 50),
     "bench": (100, 30),
-    "sampling": (35, 20),
+    "sampling": (45, 20),
 }
 SUMMARY_RESERVE_S = 8.0
 TOTAL_BUDGET = {"gpu": 480.0, "dry": 175.0}  # 8 minutes on the GPU; under 3 minutes for the dry run
@@ -582,7 +582,7 @@ def stage_gpu_tests(ctx: Context) -> None:
         ctx.add("gpu-tests", "gpu-marked tests found", "fail", "none", "the CUDA-only tests of tests/")
         return
     junit = ctx.work / "gpu-tests.xml"
-    cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rA"]
+    cmd = [ctx.python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", "-rA"]
     if ctx.dry:  # the tests' names only (they are imported, and skip, in the ordinary test run)
         ids = [f"{f}::{name}" for f in files for name in gpu_marked_tests(ROOT / f)]
         ctx.add("gpu-tests", "gpu-marked tests found", "pass" if ids else "fail", len(ids), "> 0", ", ".join(files))
@@ -591,14 +591,13 @@ def stage_gpu_tests(ctx: Context) -> None:
         return
     env = {**ctx.env, "DIT_REQUIRE_GPU": "1"}
     proc = run(ctx, cmd + ["--junitxml", str(junit), *files], ctx.work / "gpu-tests.log", env=env)
-    cases = parse_junit(junit)
-    if not cases:
-        ctx.add("gpu-tests", "pytest -m gpu", "fail", proc.error_line(), "every gpu test passes")
-        return
+    cases = parse_junit(junit) or parse_verbose(proc.tail(400000))  # the log has the tests finished before a cut
     for node, status, message in cases:
         ctx.add("gpu-tests", node, status, message[:200] if status != "pass" else "")
     if proc.timed_out:
         ctx.add("gpu-tests", "pytest -m gpu", "cut: stage budget", proc.error_line())
+    elif not cases or not proc.ok:
+        ctx.add("gpu-tests", "pytest -m gpu", "fail" if not proc.ok else "pass", proc.error_line(), "exit 0")
 
 
 def gpu_marked_tests(path: Path) -> list[str]:
@@ -612,6 +611,14 @@ def gpu_marked_tests(path: Path) -> list[str]:
             if any(m == "pytest.mark.gpu" or m.startswith("pytest.mark.gpu(") for m in marks):
                 names.append(node.name)
     return names
+
+
+def parse_verbose(log: str) -> list[tuple[str, str, str]]:
+    """(test, status, message) from ``pytest -v`` lines (``tests/x.py::test_y PASSED [ 50%]``)."""
+    out = []
+    for m in re.finditer(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", log, re.M):
+        out.append((m.group(1), "pass" if m.group(2) == "PASSED" else "fail", m.group(2)))
+    return out
 
 
 def parse_junit(path: Path) -> list[tuple[str, str, str]]:
@@ -740,21 +747,24 @@ def stage_distributed(ctx: Context) -> None:
     s = sizes(ctx)
     steps, every = s["dist_steps"], s["dist_every"]
     base = ctx.work / "distributed"
-    backend = {"process_group_backend": "gloo"}
+    # Lightning's default backend (NCCL on CUDA, gloo on CPU) in one process; gloo for two processes on one
+    # device (NCCL refuses two ranks on one GPU)
+    gloo = {"process_group_backend": "gloo"}
     fsdp1 = {"class_path": "dit_lightning.distributed.DiTFSDPStrategy", "init_args": {"state_dict_type": "sharded"}}
-    fsdp2 = {"class_path": "dit_lightning.distributed.DiTFSDP2Strategy", "init_args": dict(backend)}
+    fsdp2 = {"class_path": "dit_lightning.distributed.DiTFSDP2Strategy", "init_args": {}}
+    fsdp2_gloo = {"class_path": "dit_lightning.distributed.DiTFSDP2Strategy", "init_args": dict(gloo)}
     fsdp2_bf16 = {
         "class_path": "dit_lightning.distributed.DiTFSDP2Strategy",
-        "init_args": {**backend, "param_dtype": "bfloat16", "reduce_dtype": "float32"},
+        "init_args": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
     }
-    ddp = {"class_path": "dit_lightning.distributed.DiTDDPStrategy", "init_args": dict(backend)}
+    ddp = {"class_path": "dit_lightning.distributed.DiTDDPStrategy", "init_args": dict(gloo)}
     runs = {  # name: (strategy, processes, CUDA only, in the dry run)
         "single": (None, 1, False, True),
         "fsdp1": (fsdp1, 1, True, True),
         "fsdp2": (fsdp2, 1, False, True),
         "fsdp2-bf16": (fsdp2_bf16, 1, False, False),
         "ddp-2proc": (ddp, 2, False, False),  # dry run: the 2-process launch is exercised by fsdp2-2proc
-        "fsdp2-2proc": (fsdp2, 2, False, True),
+        "fsdp2-2proc": (fsdp2_gloo, 2, False, True),
     }
     procs: dict[str, Proc] = {}
 
