@@ -1184,14 +1184,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     describe_environment(ctx)
     import torch
 
-    if not dry and not torch.cuda.is_available():
-        ctx.environment["device"] = "no CUDA device"
-        for name, title, _ in STAGES:
-            ctx.stages.append(Stage(name, title, 0, "skipped", note="no CUDA device"))
-        stem = write_report(ctx, final=True)
+    if not dry and not torch.cuda.is_available():  # nothing is written: no table of a GPU that is not there
         print(
-            "gpu-check needs a CUDA GPU: torch.cuda.is_available() is False (on a CPU machine run "
-            f"`python benchmarks/gpu_check.py --dry-run`); wrote {stem}.md",
+            "gpu-check needs a CUDA GPU: torch.cuda.is_available() is False in "
+            f"{ctx.python} (torch {torch.__version__}); on a machine without one run "
+            "`python benchmarks/gpu_check.py --dry-run` (or make gpu-check-dry)",
             file=sys.stderr,
         )
         return 2
