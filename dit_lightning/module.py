@@ -25,7 +25,7 @@ from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
-from .precision import grad_scaler, is_fp16, pending_grad_scale, set_tf32
+from .precision import compute_dtype, grad_scaler, is_fp16, pending_grad_scale, set_tf32
 from .sampling import Sampler, sample_latents
 from .schedules import WarmupDecayLR
 from .vae import DEFAULT_SCALE_FACTOR, clip_denoised_for, decode_latents, is_pixel_space, load_vae
@@ -222,8 +222,16 @@ class DiTModule(L.LightningModule):
 
     # ---- set-up hooks ------------------------------------------------------------------
     def configure_model(self) -> None:
-        if self.hparams.tf32 and torch.cuda.is_available():
-            set_tf32(True)
+        if torch.cuda.is_available():
+            set_tf32(bool(self.hparams.tf32))  # both ways: tf32=false switches it off again
+        trainer = self._trainer
+        if self.hparams.attention_backend == "flash" and trainer is not None:
+            dtype = compute_dtype(trainer)
+            if trainer.strategy.root_device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
+                raise ValueError(
+                    f"model.attention_backend flash needs 16-bit compute on CUDA, and this run computes in {dtype}: "
+                    "use trainer.precision bf16-mixed or 16-mixed, or attention_backend efficient / auto"
+                )
         configure_sharding(self)  # FSDP2 under a ModelParallelStrategy (before compiling); else a no-op
         mode = self.hparams.compile
         if mode == "model" and not getattr(self.model, "_compiled", False):

@@ -323,3 +323,15 @@ def test_decode_uses_the_recorded_scale_factor_without_a_trainer(tmp_path):
     z = torch.randn(1, 4, 8, 8)
     torch.testing.assert_close(module.decode(z), decode_latents(z, load_vae(vae), 0.13025))
     assert module.hparams.scale_factor == 0.13025
+
+
+def test_flash_attention_in_fp32_on_cuda_is_refused_with_the_fix():
+    """Flash attention has no fp32 kernel: a CUDA run that computes in fp32 says so before training
+    (checked against a stand-in CUDA trainer, since the check needs no kernel)."""
+    module = DiTModule(**TINY, attention_backend="flash")
+    cuda = SimpleNamespace(root_device=torch.device("cuda"))
+    module._trainer = SimpleNamespace(strategy=cuda, precision="32-true")
+    with pytest.raises(ValueError, match="bf16-mixed or 16-mixed"):
+        module.configure_model()
+    module._trainer = SimpleNamespace(strategy=cuda, precision="bf16-mixed")
+    module.configure_model()  # 16-bit compute: accepted
