@@ -1,15 +1,17 @@
 """Memory and speed of the training optimisations, measured against an fp32 baseline in one run.
 
 The grid: fp32 baseline, TF32 (CUDA), 16-mixed, bf16-mixed, activation checkpointing (half /
-all blocks), torch.compile (per block), fused AdamW (CUDA), online VAE encoding of images
-versus pre-extracted latents, and a reference-style step (plain softmax attention, fp32,
+all blocks), torch.compile (per block), fused AdamW (CUDA), flash versus math SDPA attention,
+online VAE encoding of images versus pre-extracted latents, and a reference-style step (plain softmax attention, fp32,
 ``benchmarks/reference_step.py``) at the same model and batch. Each configuration is built
 from scratch (in this process after releasing the previous one, or with ``--isolate
 subprocess`` in a fresh process), warmed up, then timed over a few steps; its peak memory is
 ``torch.cuda.max_memory_allocated`` on GPU and, on CPU, the allocator-level peak that the
 planner is validated with (``dit_lightning.planner.measure``: weights, EMA, optimiser
 states and batch, plus the profiler-reported peak of one step). The planner's prediction is
-printed next to each measured peak.
+printed next to each measured peak, and MFU (useful training FLOPs per second over the
+device's dense peak for the row's compute dtype, ``dit_lightning.planner.hardware``) on GPUs
+the table knows. The report is rewritten after every row, so a run cut short keeps its rows.
 
   python benchmarks/bench_optimizations.py                       # CPU, small model
   python benchmarks/bench_optimizations.py --device cuda --model DiT-XL/2 --batch 64
@@ -23,6 +25,7 @@ import argparse
 import csv
 import datetime as _dt
 import gc
+import io
 import json
 import os
 import platform
@@ -38,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from dit_lightning.module import AttentionBackend
     from dit_lightning.planner.memory import Precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,6 +58,7 @@ class Config:
     online_vae: bool = False
     tf32: bool = False
     reference: bool = False
+    attention: AttentionBackend = "auto"  # SDPA kernel forced for the step (DiTModule.attention_backend)
     cuda_only: bool = False
     note: str = ""
 
@@ -68,6 +73,9 @@ CONFIGS: dict[str, Config] = {
     "16-mixed+ckpt-all": Config(precision="16-mixed", checkpointing="all"),
     "bf16+ckpt-half": Config(precision="bf16-mixed", checkpointing="half"),
     "bf16+ckpt-all": Config(precision="bf16-mixed", checkpointing="all"),
+    "bf16+flash": Config(precision="bf16-mixed", attention="flash", note="SDPA forced to flash attention"),
+    "bf16+math": Config(precision="bf16-mixed", attention="math", note="SDPA forced to the math kernel (T x T scores)"),
+    "fp32+math": Config(attention="math", note="SDPA forced to the math kernel (T x T scores)"),
     "fp32+compile": Config(compile=True, note="torch.compile of each block"),
     "bf16+compile": Config(precision="bf16-mixed", compile=True, note="torch.compile of each block"),
     "fp32+fused-adamw": Config(fused=True, cuda_only=True),
@@ -104,6 +112,8 @@ DEFAULT_GRID = {
         "16-mixed+ckpt-all",
         "bf16+compile",
         "bf16+fused-adamw",
+        "bf16+flash",
+        "bf16+math",
         "bf16+online-vae",
         "reference",
     ],
@@ -158,7 +168,7 @@ def _planner_bytes(cfg: Config, shape: dict, args, device: str) -> Optional[int]
         optimizer="adamw",
         fused_optimizer=cfg.fused,
         ema=True,
-        attention="math" if cfg.reference else "auto",
+        attention="math" if cfg.reference or cfg.attention == "math" else "auto",
         device="cuda" if device == "cuda" else "cpu",
         depth=shape["depth"],
         hidden_size=shape["hidden_size"],
@@ -253,6 +263,7 @@ def run_config(name: str, args) -> dict[str, Any]:
                 compile="blocks" if cfg.compile else "none",
                 tf32=cfg.tf32,
                 fused_optimizer=cfg.fused,
+                attention_backend=cfg.attention,
             )
         module.to(device)
         module.configure_model()
@@ -306,7 +317,30 @@ def run_config(name: str, args) -> dict[str, Any]:
         row["note"] = (cfg.note + "; " if cfg.note else "") + "planner: eager prediction"
     if cfg.reference:
         row["note"] += "; planner: math attention"
+    row.update(_utilisation(cfg, shape, args, device, row["images_per_s"]))
     return row
+
+
+def _utilisation(cfg: Config, shape: dict, args, device: torch.device, images_per_s: float) -> dict[str, Any]:
+    """MFU / HFU of a row: useful (executed) training FLOPs per second over the dense peak of the
+    device for the row's compute dtype (TF32 for fp32 rows with TF32 on); empty where no peak is known."""
+    from dit_lightning.models import resolve_checkpoint_blocks, shape_of, training_flops
+    from dit_lightning.planner.hardware import peak_flops_for
+    from dit_lightning.precision import to_dtype
+
+    if device.type != "cuda":
+        return {}
+    peak = peak_flops_for(torch.cuda.get_device_name(device), to_dtype(cfg.precision), tf32=cfg.tf32)
+    if not peak:
+        return {}
+    s = shape_of("custom", **shape)
+    recomputed = resolve_checkpoint_blocks(None if cfg.checkpointing == "none" else cfg.checkpointing, s.depth)
+    useful, executed = training_flops(s, recomputed_blocks=len(recomputed))
+    return {
+        "peak_tflops": peak / 1e12,
+        "mfu": images_per_s * useful / peak,
+        "hfu": images_per_s * executed / peak,
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -345,15 +379,15 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "| config | images/s | speed vs fp32 | peak memory (MiB) | memory vs fp32 | planner (MiB) "
         "| planner / measured |"
     )
-    head += (" reserved (MiB) |" if reserved else "") + " steps | notes |\n"
-    head += "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if reserved else "") + "---:|---|\n"
+    head += (" reserved (MiB) |" if reserved else "") + " MFU | steps | notes |\n"
+    head += "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if reserved else "") + "---:|---:|---|\n"
     lines = []
     for r in rows:
         if r["status"] != "ok":
             lines.append(
                 f"| {r['config']} | - | - | - | - | - | - |"
                 + (" - |" if reserved else "")
-                + f" - | {r['status']}{'; ' + r['note'] if r.get('note') else ''} |"
+                + f" - | - | {r['status']}{'; ' + r['note'] if r.get('note') else ''} |"
             )
             continue
         speed = _ratio(r["images_per_s"], base["images_per_s"]) if base else None
@@ -364,9 +398,13 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"{r['peak_bytes'] / MiB:,.1f} | {_pct(mem)} | "
             f"{_fmt(pred / MiB if pred else None, ',.1f')} | {_fmt(_ratio(pred, r['peak_bytes']), '.3f')} |"
             + (f" {r['reserved_bytes'] / MiB:,.0f} |" if reserved else "")
-            + f" {r['steps']} | {r.get('note', '')} |"
+            + f" {_mfu(r)} | {r['steps']} | {r.get('note', '')} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def _mfu(row: dict[str, Any]) -> str:
+    return "-" if row.get("mfu") is None else f"{row['mfu']:.1%}"
 
 
 def _get(rows, name):
@@ -395,6 +433,8 @@ def claims_section(rows: list[dict[str, Any]], device: str) -> str:
         "| claim | measured as | claimed memory | measured memory | claimed speed | measured speed |",
         "|---|---|---:|---:|---:|---:|",
         line("mixed precision", mixed, "fp32", "-35..45%", "+15..25%"),
+        line("mixed precision (fp16 + GradScaler)", "16-mixed", "fp32", "-35..45%", "+15..25%"),
+        line("mixed precision against TF32", mixed, "tf32", "-", "-"),
         line("+ activation checkpointing (all blocks)", "bf16+ckpt-all", mixed, "a further -50..60%", "-20..30%"),
         line("+ activation checkpointing (half)", "bf16+ckpt-half", mixed, "-", "-"),
         line("both together", "bf16+ckpt-all", "fp32", "-70..80%", "-"),
@@ -696,10 +736,40 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             flush=True,
         )
         rows.append(row)
+        write_report(rows, args, argv, threads, final=False)
 
-    shape = _shape_kwargs(args)
+    stem = write_report(rows, args, argv, threads, final=True)
+    print()
+    print(markdown_table(rows))
+    print(f"wrote {stem}.md, .csv, .png")
+    return rows
+
+
+def _cuda_environment() -> str:
+    """Driver, CUDA runtime and cuDNN versions for the report header."""
+    driver = "unknown"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        driver = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else driver
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"driver {driver}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}"
+
+
+def write_report(
+    rows: list[dict[str, Any]], args, argv: Optional[list[str]], threads: Optional[int], final: bool
+) -> Path:
+    """The markdown and CSV of the rows so far (rewritten atomically after every row); the plot at the end."""
+    from dit_lightning.atomic import write_text
     from dit_lightning.models import dit_params, shape_of
 
+    cuda = args.device == "cuda"
+    shape = _shape_kwargs(args)
     nparams = dit_params(shape_of("custom", **dict(shape)))
     slug = args.name or f"{args.model.lower().replace('/', '-')}_l{args.latent_size}_b{args.batch}"
     out = Path(args.out)
@@ -715,7 +785,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         f"{args.batch}",
         "",
         f"- machine: {_machine(args.device)}" + (f", {threads} thread(s)" if threads else ""),
-        f"- date: {date}; torch {torch.__version__}; python {platform.python_version()}",
+        f"- date: {date}; torch {torch.__version__}; python {platform.python_version()}"
+        + (f"; {_cuda_environment()}" if cuda else ""),
         f"- model: {args.model} (depth {shape['depth']}, hidden {shape['hidden_size']}, heads "
         f"{shape['num_heads']}, patch {shape['patch_size']}, "
         f"{(args.latent_size // shape['patch_size']) ** 2} tokens, {nparams / 1e6:.1f}M parameters), AdamW + EMA, "
@@ -737,12 +808,18 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             else "weights + EMA + optimiser states + batch, plus the CPU allocator's peak during one step "
             "(profiler memory events)"
         ),
+        "- MFU: useful training FLOPs (3 x forward, recomputation not counted) per second over the device's dense "
+        "peak for the row's compute dtype (`dit_lightning.planner.hardware`; TF32 peak for fp32 rows with TF32 on)"
+        if cuda
+        else "- MFU: not measured on CPU (no meaningful peak)",
         f"- command: `{command}`",
         "",
         table,
         claims_section(rows, args.device),
     ]
-    stem.with_suffix(".md").write_text("\n".join(md))
+    if not final:
+        md.insert(2, f"**Partial: {len(rows)} row(s) so far; the run was cut or is still going.**\n")
+    write_text(stem.with_suffix(".md"), "\n".join(md))
     fields = [
         "config",
         "status",
@@ -754,23 +831,25 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         "peak_bytes",
         "reserved_bytes",
         "planner_bytes",
+        "mfu",
+        "hfu",
+        "peak_tflops",
         "loss",
         "note",
     ]
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
-    write_plot(
-        rows,
-        stem.with_suffix(".png"),
-        f"{args.model} latent {args.latent_size} batch {args.batch} on {_machine(args.device)}",
-    )
-    print()
-    print(table)
-    print(f"wrote {stem}.md, .csv, .png")
-    return rows
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow(r)
+    write_text(stem.with_suffix(".csv"), buf.getvalue())
+    if final and any(r["status"] == "ok" for r in rows):
+        write_plot(
+            rows,
+            stem.with_suffix(".png"),
+            f"{args.model} latent {args.latent_size} batch {args.batch} on {_machine(args.device)}",
+        )
+    return stem
 
 
 if __name__ == "__main__":

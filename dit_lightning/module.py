@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch import Tensor, nn
 
@@ -24,7 +25,7 @@ from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
-from .precision import is_fp16, set_tf32
+from .precision import compute_dtype, grad_scaler, is_fp16, pending_grad_scale, set_tf32
 from .sampling import Sampler, sample_latents
 from .schedules import WarmupDecayLR
 from .vae import DEFAULT_SCALE_FACTOR, clip_denoised_for, decode_latents, is_pixel_space, load_vae
@@ -221,8 +222,16 @@ class DiTModule(L.LightningModule):
 
     # ---- set-up hooks ------------------------------------------------------------------
     def configure_model(self) -> None:
-        if self.hparams.tf32 and torch.cuda.is_available():
-            set_tf32(True)
+        if torch.cuda.is_available():
+            set_tf32(bool(self.hparams.tf32))  # both ways: tf32=false switches it off again
+        trainer = self._trainer
+        if self.hparams.attention_backend == "flash" and trainer is not None:
+            dtype = compute_dtype(trainer)
+            if trainer.strategy.root_device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
+                raise ValueError(
+                    f"model.attention_backend flash needs 16-bit compute on CUDA, and this run computes in {dtype}: "
+                    "use trainer.precision bf16-mixed or 16-mixed, or attention_backend efficient / auto"
+                )
         configure_sharding(self)  # FSDP2 under a ModelParallelStrategy (before compiling); else a no-op
         mode = self.hparams.compile
         if mode == "model" and not getattr(self.model, "_compiled", False):
@@ -246,6 +255,12 @@ class DiTModule(L.LightningModule):
             # (fused AdamW under GradScaler): keep clipping, use the foreach kernel.
             if choice is True:
                 log.warning("fused AdamW cannot be combined with gradient clipping under 16-mixed: using foreach AdamW")
+            return False
+        if fp16 and trainer is not None and isinstance(trainer.strategy, FSDPStrategy):
+            # FSDP1's ShardedGradScaler agrees on inf/NaN across ranks only in unscale_(), which Lightning
+            # skips for optimisers that unscale inside their step: each rank would skip steps on its own.
+            if choice is True:
+                log.warning("fused AdamW under FSDP1 with 16-mixed would skip steps per rank: using foreach AdamW")
             return False
         return True
 
@@ -358,6 +373,12 @@ class DiTModule(L.LightningModule):
         # compute the norm (a collective under FSDP) exactly then, so it lands at every log point.
         if every > 0 and (self.global_step + 1) % every == 0:
             norm = grad_norm(self.model.parameters(), self._trainer.strategy if self._trainer is not None else None)
+            scaler = grad_scaler(self._trainer)
+            if scaler is not None:  # 16-mixed: the GradScaler's current loss scale
+                self.log("train/loss_scale", float(scaler.get_scale()), batch_size=1)
+            pending = pending_grad_scale(self._trainer, optimizer)
+            if norm is not None and pending:  # fused AdamW unscales inside its step: not yet done here
+                norm = norm / pending
             if norm is not None:
                 self.log("train/grad_norm", norm, batch_size=1)
         if not self.automatic_optimization and self._trainer is not None:

@@ -7,7 +7,9 @@ Users meet four vocabularies: Lightning's ``precision`` ("32-true", "16-mixed", 
 to a :class:`torch.dtype` here (:func:`to_dtype`), and :func:`compute_dtype` tells the matmul
 dtype of a Trainer: the strategy's mixed-precision ``param_dtype`` when it sets one (FSDP2 with
 ``precision: 32-true`` and ``param_dtype: bfloat16`` computes in bf16), else the precision
-plugin's. Pure PyTorch: Lightning objects are inspected by attribute, never imported.
+plugin's. :func:`grad_scaler` and :func:`pending_grad_scale` tell whether ``16-mixed`` loss
+scaling is active and whether the gradients a hook sees are still scaled. Pure PyTorch:
+Lightning objects are inspected by attribute, never imported.
 """
 
 from __future__ import annotations
@@ -119,3 +121,33 @@ def compute_dtype(trainer: Any) -> torch.dtype:
     if str(precision).startswith("transformer-engine"):
         return torch.int8  # FP8 matmuls: Lightning's peak table files Transformer Engine under int8
     return to_dtype(precision)
+
+
+def grad_scaler(trainer: Any) -> Optional[torch.amp.GradScaler]:
+    """The enabled GradScaler of a Trainer's precision plugin (``16-mixed``: Lightning's
+    ``MixedPrecision.scaler``, FSDP1's ``ShardedGradScaler``), else None (fp32, bf16)."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+        return None
+    return scaler
+
+
+def optimizer_unscales_itself(optimizer: Any) -> bool:
+    """True for optimisers that unscale the gradients inside their ``step`` (``fused=True`` AdamW/Adam/SGD
+    set ``_step_supports_amp_scaling``): GradScaler hands them the scale instead of unscaling first."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wrapper
+    return bool(getattr(inner, "_step_supports_amp_scaling", False))
+
+
+def pending_grad_scale(trainer: Any, optimizer: Any) -> Optional[float]:
+    """The loss scale the gradients still carry in ``on_before_optimizer_step``, or None when they are
+    true gradients.
+
+    Under ``16-mixed`` Lightning unscales the gradients before that hook, except for optimisers
+    that unscale inside their step (fused AdamW): there a gradient norm read in the hook is the
+    true norm times the scale (65536 at the start). Reads the scale from the device (a sync).
+    """
+    scaler = grad_scaler(trainer)
+    if scaler is None or not optimizer_unscales_itself(optimizer):
+        return None
+    return float(scaler.get_scale())

@@ -1,5 +1,9 @@
 """Fixtures shared by every test directory. Importable helpers (tiny models, datasets, CLI
-runners...) live in tests/helpers/."""
+runners...) live in tests/helpers/.
+
+``DIT_REQUIRE_GPU=1`` (set by ``make gpu-check``) turns the skip of a ``gpu``-marked test into a
+failure: on the GPU machine every CUDA-only test must really run.
+"""
 
 import os
 
@@ -33,3 +37,20 @@ def store(tmp_path_factory) -> str:
     from dit_lightning.data import prepare_digits
 
     return prepare_digits(str(tmp_path_factory.mktemp("digits") / "store"))
+
+
+REQUIRE_GPU_ENV = "DIT_REQUIRE_GPU"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and item.get_closest_marker("gpu") and os.environ.get(REQUIRE_GPU_ENV) == "1":
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} is marked gpu but skipped ({reason}) while {REQUIRE_GPU_ENV}=1 requires every CUDA test "
+            "to run: run it on a machine where torch.cuda.is_available() (make gpu-check), or unset the variable"
+        )

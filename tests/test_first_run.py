@@ -270,3 +270,14 @@ def test_readme_notebook_snippet_trains_a_useful_model(tmp_path, monkeypatch, on
     result = digits_accuracy(scope["model"], per_class=10, num_steps=50, cfg_scale=2.0)
     assert scope["images"].shape == (10, 1, 8, 8) and result["accuracy"] >= 0.8, result["accuracy"]
     assert os.path.isdir(tmp_path / "data" / "digits")
+
+
+def test_last_checkpoint_holds_the_final_step_between_periodic_saves(workdir, tmp_path):
+    run_cli(
+        ["fit", *SMALL, "--trainer.max_steps", "5", "--checkpoint.every_n_train_steps", "3",
+         "--trainer.logger.save_dir", str(tmp_path)],
+        workdir,
+    )  # fmt: skip
+    ckpts = tmp_path / "version_0" / "checkpoints"
+    assert torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == 5
+    assert torch.load(ckpts / "epoch=0-step=3.ckpt", weights_only=True)["global_step"] == 3

@@ -1,6 +1,9 @@
 """DiTModule: EMA under accumulation, the loss, warm-up, mixed precision, sampling, init_from and
 resume of other architectures, FLOPs, compile and attention backends."""
 
+from types import SimpleNamespace
+from typing import Any
+
 import lightning as L
 import pytest
 import torch
@@ -8,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from dit_lightning.models import DiT
 from dit_lightning.module import DiTModule
+from tests.helpers.models import randomize
 from tests.helpers.training import TINY_MODULE as TINY
 from tests.helpers.training import DictDataset, trainer
 
@@ -152,6 +156,118 @@ def test_forced_attention_backend_matches_auto():
     torch.testing.assert_close(la, lb)
 
 
+def _fused_choice(strategy, precision, clip, device="cuda"):
+    module = DiTModule(**TINY)
+    module._device = torch.device(device, 0) if device == "cuda" else torch.device(device)  # no CUDA call is made
+    module._trainer = SimpleNamespace(gradient_clip_val=clip, precision=precision, strategy=strategy)
+    return module._use_fused()
+
+
+def test_fused_adamw_is_chosen_where_lightning_and_the_scaler_allow_it():
+    from dit_lightning.distributed import DiTDDPStrategy, DiTFSDPStrategy
+
+    ddp, fsdp1 = DiTDDPStrategy(), DiTFSDPStrategy(param_dtype="bfloat16")
+    assert _fused_choice(ddp, "bf16-mixed", 1.0) is True
+    assert _fused_choice(ddp, "16-mixed", None) is True  # GradScaler hands the scale to the fused kernel
+    assert _fused_choice(ddp, "16-mixed", 1.0) is False  # Lightning refuses to clip for it
+    assert _fused_choice(fsdp1, "bf16-mixed", None) is True
+    # ShardedGradScaler would decide per rank whether to skip a step (its all-reduce is in unscale_ only)
+    assert _fused_choice(fsdp1, "16-mixed", None) is False
+    assert _fused_choice(ddp, "bf16-mixed", None, device="cpu") is False
+
+
+class _Metrics(L.Callback):
+    """The step metrics after each optimiser step (``train/grad_norm``, ``train/loss_scale``)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")})
+
+
+def _fp16_scaled_run(fused: bool, **trainer_kw):
+    """Two steps of 16-mixed with a GradScaler; AdamW fused (unscales inside its step) or foreach."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    torch.manual_seed(0)
+    opt = lambda params: torch.optim.AdamW(params, lr=1e-3, fused=fused or None, foreach=None if fused else True)  # noqa: E731
+    module = DiTModule(**TINY, optimizer=opt)
+    record = _Metrics()
+    kw: dict[str, Any] = dict(max_steps=2, log_every_n_steps=1, callbacks=[record])
+    if not trainer_kw:  # on CPU: Lightning turns 16-mixed into bf16-mixed, so the plugin is given explicitly
+        kw["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    kw.update(trainer_kw)
+    t = trainer(**kw) if not trainer_kw else L.Trainer(logger=False, enable_checkpointing=False, **kw)
+    t.fit(module, DataLoader(DictDataset(), batch_size=8))
+    return module, t, record.steps
+
+
+def test_grad_norm_is_unscaled_and_loss_scale_logged_with_fused_adamw_under_grad_scaler():
+    """Fused AdamW unscales inside its step, so Lightning leaves the gradients scaled in
+    on_before_optimizer_step: the logged norm must still be the true one, as with foreach AdamW."""
+    fused_module, fused_t, fused = _fp16_scaled_run(fused=True)
+    _, _, foreach = _fp16_scaled_run(fused=False)
+    assert fused_module.optimizers().optimizer.defaults["fused"] is True
+    assert fused_t.precision_plugin.scaler is not None
+    for a, b in zip(fused, foreach):
+        assert a["train/loss_scale"] == b["train/loss_scale"] == 65536.0
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-3)
+        assert 0 < a["train/grad_norm"] < 100  # not ~65536x the true norm
+
+
+def test_no_loss_scale_without_grad_scaler():
+    module = DiTModule(**TINY)
+    record = _Metrics()
+    trainer(max_steps=1, log_every_n_steps=1, callbacks=[record]).fit(module, DataLoader(DictDataset(), batch_size=8))
+    assert "train/grad_norm" in record.steps[0] and "train/loss_scale" not in record.steps[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention needs a CUDA device")
+def test_flash_and_math_attention_agree_in_bf16_on_gpu():
+    """The forced SDPA kernels run (flash needs fp16/bf16 inputs) and compute the same loss."""
+    batch = {k: v.cuda() for k, v in next(iter(DataLoader(DictDataset(8), batch_size=8))).items()}
+    reference = DiTModule(**TINY)
+    randomize(reference.model)  # a fresh DiT outputs 0 (adaLN-Zero): attention would not matter
+    losses = {}
+    for backend in ("flash", "math", "auto"):
+        module = DiTModule(**TINY, attention_backend=backend)
+        module.load_state_dict(reference.state_dict())
+        module.cuda()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            losses[backend] = module.diffusion_loss(module.model, batch, 0, train=False)["loss"].float()
+    torch.testing.assert_close(losses["flash"], losses["math"], rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(losses["auto"], losses["flash"], rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed with GradScaler needs a CUDA device")
+def test_fused_adamw_grad_norm_under_16_mixed_on_gpu():
+    """On CUDA the module picks fused AdamW itself (no clipping): the same true norm as foreach."""
+    module = DiTModule(**TINY)  # fused_optimizer="auto"
+    record = _Metrics()
+    t = L.Trainer(
+        max_steps=2,
+        accelerator="gpu",
+        devices=1,
+        precision="16-mixed",
+        log_every_n_steps=1,
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+    )
+    t.fit(module, DataLoader(DictDataset(), batch_size=8))
+    assert module.optimizers().optimizer.defaults.get("fused") is True
+    _, _, foreach = _fp16_scaled_run(
+        fused=False, max_steps=2, accelerator="gpu", devices=1, precision="16-mixed", log_every_n_steps=1
+    )
+    for a, b in zip(record.steps, foreach):
+        assert a["train/loss_scale"] == b["train/loss_scale"] > 1
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed with GradScaler needs a CUDA device")
 def test_16_mixed_with_grad_scaler_on_gpu():
     module = DiTModule(**TINY)
@@ -207,3 +323,15 @@ def test_decode_uses_the_recorded_scale_factor_without_a_trainer(tmp_path):
     z = torch.randn(1, 4, 8, 8)
     torch.testing.assert_close(module.decode(z), decode_latents(z, load_vae(vae), 0.13025))
     assert module.hparams.scale_factor == 0.13025
+
+
+def test_flash_attention_in_fp32_on_cuda_is_refused_with_the_fix():
+    """Flash attention has no fp32 kernel: a CUDA run that computes in fp32 says so before training
+    (checked against a stand-in CUDA trainer, since the check needs no kernel)."""
+    module = DiTModule(**TINY, attention_backend="flash")
+    cuda = SimpleNamespace(root_device=torch.device("cuda"))
+    module._trainer = SimpleNamespace(strategy=cuda, precision="32-true")
+    with pytest.raises(ValueError, match="bf16-mixed or 16-mixed"):
+        module.configure_model()
+    module._trainer = SimpleNamespace(strategy=cuda, precision="bf16-mixed")
+    module.configure_model()  # 16-bit compute: accepted

@@ -77,7 +77,8 @@ class DiTModelCheckpoint(ModelCheckpoint):
 
     Without a ``dirpath`` the checkpoints go to the run's directory (``<logger>/version_N/
     checkpoints``, Lightning's default) and ``<logger>/last.ckpt`` links to the newest run's
-    ``last.ckpt``. Temporary files left by a killed save are removed when a run starts.
+    ``last.ckpt``. ``last.ckpt`` holds the final step, also when the run ends between two periodic
+    saves. Temporary files left by a killed save are removed when a run starts.
 
     Args:
         latest_link: maintain the ``last.ckpt`` link in the logger's directory.
@@ -129,4 +130,9 @@ class DiTModelCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
+        # Lightning saves last.ckpt at the end only when no checkpoint was saved during the run: a
+        # run of 8 steps checkpointing every 5 would end with last.ckpt at step 5. The last
+        # checkpoint holds the final weights.
+        if self.save_last and self._last_global_step_saved != trainer.global_step and trainer.global_step > 0:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         self._refresh_link(trainer)

@@ -199,9 +199,26 @@ def device_key(device_name: str) -> Optional[str]:
 
 
 def tf32_enabled() -> bool:
-    """Whether FP32 matmuls may use TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``
-    and ``set_float32_matmul_precision("high")`` both show up here)."""
-    return torch.get_float32_matmul_precision() != "highest"
+    """Whether FP32 matmuls on CUDA may use TF32 tensor cores.
+
+    Read from ``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9: "tf32" or "ieee"),
+    which reflects every way of setting it: the legacy ``allow_tf32`` flag,
+    ``set_float32_matmul_precision("high")`` and the new per-backend API. The legacy getter
+    ``torch.get_float32_matmul_precision()`` raises in torch 2.14 once only the new API was used,
+    and can disagree with the new API after both were, so it is only the fallback ("none" means
+    nothing was set for this backend).
+    """
+    setting = "none"
+    try:
+        setting = str(torch.backends.cuda.matmul.fp32_precision)
+    except (AttributeError, RuntimeError):  # torch < 2.9
+        pass
+    if setting in ("tf32", "ieee"):
+        return setting == "tf32"
+    try:
+        return torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:  # mixed legacy and new settings: the matmul setting above is the one cuBLAS uses
+        return False
 
 
 def peak_flops_for(device_name: str, dtype: Union[torch.dtype, str], tf32: bool = False) -> Optional[float]:

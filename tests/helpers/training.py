@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import torch
 from torch.utils.data import Dataset
 
 # DiTModule arguments of a tiny model on 1 x 8 x 8 "digits" (10 classes).
-TINY_MODULE = dict(
+TINY_MODULE: dict[str, Any] = dict(
     model="custom", latent_shape=(1, 8, 8), num_classes=10, depth=2, hidden_size=32, num_heads=4, patch_size=2
 )
 
