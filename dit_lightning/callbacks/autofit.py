@@ -425,6 +425,11 @@ class AutoFit(L.Callback):
                     )
         if self._loaded is not None:
             self._restore(trainer, pl_module)
+        if self.config.speed_up_after and (self.probe is None or not self.step_mode):
+            _say(
+                trainer,
+                "auto-fit: speed up when safe is off: it needs out-of-memory recovery and a memory reading (CUDA)",
+            )
         if self.decision is not None and self.setting is not None:
             hparams = {**self.decision.hparams(), "auto_fit/oom_recovery": self.step_mode}
             hparams.update(
