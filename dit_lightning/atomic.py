@@ -11,14 +11,21 @@ rename itself survives a power cut. Files get the permissions a plain ``open`` w
 
 Temporary files are named ``.<name>.<8 random characters>.tmp`` (``mkstemp``'s names);
 :func:`remove_stale_temporaries` deletes those a killed process left behind, and nothing else.
+
+A write that fails because the disk (or the quota) is full raises :class:`OutOfSpaceError` naming
+the directory, the free space and the fix, whatever library was writing (``torch.save`` reports
+it as ``unexpected pos``); the target keeps its previous content. :func:`check_writable` tries a
+directory before long work starts, so an unwritable output fails at once, not hours later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +37,92 @@ PathLike = Union[str, "os.PathLike[str]"]
 TMP_SUFFIX = ".tmp"
 # what tempfile.mkstemp(prefix=".<name>.", suffix=".tmp") creates: 8 characters of [a-z0-9_]
 _TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class OutOfSpaceError(OSError):
+    """A write failed because the file system (or the user's quota) is full."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class NotWritableError(OSError):
+    """An output location cannot be written (found before any work, by :func:`check_writable`)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _no_space_cause(error: BaseException) -> Any:
+    """The out-of-space OSError behind ``error`` (itself, its cause or context), if any."""
+    seen: set[int] = set()
+    e: Any = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _free_bytes(directory: str) -> Any:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def _human(n: Any) -> str:
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def out_of_space(path: PathLike, cause: OSError) -> OutOfSpaceError:
+    """The error of a write of ``path`` that ran out of space: where, how much is free, the fix."""
+    target = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(target)
+    what = "disk quota exceeded" if cause.errno == errno.EDQUOT else "no space left"
+    if cause.errno == errno.EFBIG:
+        what = "file too large for the file system (or the process's file size limit)"
+    return OutOfSpaceError(
+        cause.errno,
+        f"{what} on {directory} while writing {os.path.basename(target)} ({_human(_free_bytes(directory))} free): "
+        "free some space there or write to another disk. Nothing partial was left behind: "
+        f"{os.path.basename(target)} and the files written before are as they were",
+    )
+
+
+def check_writable(directory: PathLike, what: str = "output directory", fix: str = "") -> Path:
+    """Prove that files can be written in ``directory`` (a temporary file, removed at once) without
+    creating it: a directory that does not exist yet is probed through its nearest existing
+    ancestor, which must be a writable directory. Raises ``OSError`` naming ``what``, the reason
+    and ``fix`` otherwise."""
+    d = os.path.abspath(os.fspath(directory))
+    existing = next((p for p in [d, *map(str, Path(d).parents)] if os.path.lexists(p)), "/")
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file, not a directory")
+        fd, tmp = tempfile.mkstemp(prefix=".write-test.", suffix=TMP_SUFFIX, dir=existing)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        if e.errno in _NO_SPACE:
+            reason = f"no space left ({_human(_free_bytes(existing))} free)"
+        elif existing != d and e.errno != errno.ENOTDIR:
+            reason = f"{reason} (in {existing}, where it would be created)"
+        raise OSError(
+            e.errno, f"cannot write the {what} {d}: {reason}. " + (fix or "Choose a writable location.")
+        ) from None
+    return Path(d)
 
 
 def _file_mode() -> int:
@@ -77,9 +170,12 @@ def atomic_open(path: PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
             os.fsync(f.fileno())
         os.chmod(tmp, _MODE)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        full = _no_space_cause(error)
+        if full is not None and not isinstance(error, OutOfSpaceError):
+            raise out_of_space(target, full) from error
         raise
     fsync_dir(directory)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 import traceback
 from typing import NoReturn, Optional
@@ -68,10 +69,29 @@ def _message(error: BaseException) -> str:
         text = str(e).strip() or type(e).__name__
         if isinstance(e, (AttributeError, KeyError, TypeError, NameError, IndexError, AssertionError)):
             text = f"{type(e).__name__}: {text}"  # likely a bug, not a setting: say what kind
+        for note in getattr(e, "__notes__", None) or []:  # the diagnosis added on the way (e.g. a lost rank)
+            if str(note) not in parts:
+                parts.insert(0, str(note))
         if not any(text in p for p in parts):
             parts.append(text)
         e = e.__cause__ or (e.__context__ if not e.__suppress_context__ else None)
     return "\n  caused by: ".join(parts)
+
+
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _join_negative_values(args: list[str]) -> list[str]:
+    """``--model.optimizer.lr -1e-3`` -> ``--model.optimizer.lr=-1e-3``: argparse takes a negative
+    number in scientific notation for an option ("expected one argument"), so the value reaches
+    the check that says what is wrong with it."""
+    out: list[str] = []
+    for a in args:
+        if out and _NEGATIVE_NUMBER.match(a) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
 
 
 def _run(args: list[str]) -> None:
@@ -96,7 +116,7 @@ def _run(args: list[str]) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false")
-    args = [a for a in args if a != "--debug"]
+    args = _join_negative_values([a for a in args if a != "--debug"])
     if not args or args[0] in ("-h", "--help"):
         print(usage())
         return

@@ -38,6 +38,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from .autofit import AutoFitConfig
 from .callbacks.checkpoint import LATEST, DiTModelCheckpoint, newest_run_checkpoint, run_directory_of
 from .callbacks.config_logger import ConfigLogger
+from .callbacks.fault_tolerance import FaultTolerance
 from .callbacks.generation import GenerationMetrics
 from .callbacks.progress import DiTProgressBar
 from .callbacks.samples import PredictionWriter
@@ -133,6 +134,8 @@ class DiTCLI(LightningCLI):
             help="fit: choose micro-batch, accumulation, recomputed blocks (and precision if unset) from the memory "
             "each device has, and back off instead of dying on out-of-memory (docs/auto-fit.md)",
         )
+        # Signals -> last.ckpt and a non-zero exit; a NaN loss stops the run; outputs checked up front.
+        parser.add_lightning_class_args(FaultTolerance, "fault_tolerance")
 
     # ---- --ckpt_path ------------------------------------------------------------------------
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -198,9 +201,16 @@ class DiTCLI(LightningCLI):
         if not path.exists():
             raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist")
         if path.is_dir():  # a sharded checkpoint directory: the strategy loads it (and its settings)
+            from .checkpoints.safe_load import check_dcp_metadata
+
+            if not (path / ".metadata").is_file():
+                raise ValueError(f"--ckpt_path {ckpt_path} is a directory but not a sharded checkpoint (no .metadata)")
+            check_dcp_metadata(path)  # torch reads it with a plain pickle.load: vet it before Lightning does
             return {}
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception:
             ckpt = None
         if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "pytorch-lightning_version" not in ckpt:
@@ -240,9 +250,49 @@ class DiTCLI(LightningCLI):
             logger["init_args"]["version"] = version
             self._resumed_run = version
 
+    # ---- settings checked before anything is built ---------------------------------------------
+    def _check_settings(self, sub: Any) -> None:
+        """Values no class checks before work starts: learning rates, and the output directories
+        the configs name (the run's own directories are checked again once they are known)."""
+
+        def get(node: Any, key: str) -> Any:
+            return node.get(key) if hasattr(node, "get") else None
+
+        model = get(sub, "model")
+        lr = get(get(get(get(model, "init_args") or model, "optimizer"), "init_args"), "lr")
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and (lr < 0 or lr != lr):
+            raise ValueError(
+                f"--model.optimizer.lr {lr}: a learning rate must be a number >= 0 (the paper's is 1e-4; write it as "
+                "--model.optimizer.lr=1e-4)"
+            )
+        if self.subcommand != "fit":
+            return
+        from .atomic import check_writable
+
+        trainer = sub.get("trainer", {})
+        places = []
+        if trainer.get("default_root_dir"):
+            places.append((trainer["default_root_dir"], "default root directory", "--trainer.default_root_dir"))
+        logger = trainer.get("logger")
+        for lg in logger if isinstance(logger, list) else [logger]:
+            init_args = lg.get("init_args", {}) if hasattr(lg, "get") else {}
+            save_dir = init_args.get("save_dir") if hasattr(init_args, "get") else None
+            if save_dir and "://" not in str(save_dir):
+                places.append((save_dir, "log directory", "--trainer.logger.save_dir"))
+        checkpoint = sub.get("checkpoint", {})
+        if (
+            trainer.get("enable_checkpointing") is not False
+            and hasattr(checkpoint, "get")
+            and checkpoint.get("dirpath")
+        ):
+            places.append((checkpoint["dirpath"], "checkpoint directory", "--checkpoint.dirpath"))
+        for where, what, option in places:
+            check_writable(where, what, f"Set {option} to a writable location (nothing was trained yet).")
+
     # ---- the Trainer --------------------------------------------------------------------------
     def before_instantiate_classes(self) -> None:
         sub = self.config[self.subcommand]
+        self._check_settings(sub)
         logger = sub.get("trainer", {}).get("logger")
         loggers = logger if isinstance(logger, list) else [logger]
         for lg in loggers:

@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch import Tensor, nn
 
-from .checkpoints import check_dit_weights, load_dit_weights, read_checkpoint, strip_prefix
+from .checkpoints import check_dit_weights, infer_dit_config, load_dit_weights, read_checkpoint, strip_prefix
 from .diffusion import create_diffusion
 from .diffusion.gaussian_diffusion import ModelFn
 from .distributed.ops import clip_gradients, ema_update_, grad_norm
@@ -175,6 +175,14 @@ class DiTModule(L.LightningModule):
         self.ema: Optional[DiT] = None
         initial = read_checkpoint(init_from) if init_from else None
         if initial is not None:
+            # the same reading of both state dicts, so that only a real difference shows
+            theirs, ours = infer_dit_config(initial.model), infer_dit_config(self.model.state_dict())
+            if any(theirs[k] != ours[k] for k in ("in_channels", "input_size", "num_classes")):
+                self._check_data_shape(
+                    [theirs["in_channels"], theirs["input_size"], theirs["input_size"]],
+                    theirs["num_classes"] + ours["num_classes"] - self.model.num_classes,
+                    f"--model.init_from {init_from}",
+                )
             load_dit_weights(self.model, initial.model, source=f"checkpoint '{init_from}'")
         if ema:
             self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
@@ -197,10 +205,27 @@ class DiTModule(L.LightningModule):
             trainer.fit_loop.load_state_dict(checkpoint["loops"]["fit_loop"])
         # Refuse a checkpoint of another architecture with a message that says which one it
         # is, before Lightning's generic load_state_dict error.
+        hp = checkpoint.get("hyper_parameters") or {}
+        self._check_data_shape(hp.get("latent_shape"), hp.get("num_classes"), "the checkpoint (--ckpt_path)")
         if "state_dict" not in checkpoint:  # sharded checkpoint: loaded (strictly) by the strategy
             return
         sd = checkpoint["state_dict"]
         check_dit_weights(self.model, strip_prefix(sd, "model."), source="the checkpoint being resumed")
+
+    def _check_data_shape(self, latent_shape: Optional[Sequence[int]], num_classes: Optional[int], source: str) -> None:
+        """A checkpoint of other latents or classes than the store's: say that the store differs
+        (the CLI links the model's latent shape and classes to ``data.path``), not the model."""
+        net = self.model
+        mine = ([net.in_channels, net.input_size, net.input_size], net.num_classes)
+        theirs = (list(latent_shape) if latent_shape is not None else mine[0], num_classes or mine[1])
+        if [int(v) for v in theirs[0]] == mine[0] and int(theirs[1]) == int(mine[1]):
+            return
+        raise ValueError(
+            f"{source} was trained on latents {tuple(theirs[0])} with {theirs[1]} classes, but the model is set up for "
+            f"latents {tuple(mine[0])} with {mine[1]} classes, which the CLI takes from the data store (data.path). "
+            "Point --data.path at the store the checkpoint was trained on (or one with the same latent shape and "
+            "classes)."
+        )
 
     @property
     def eval_model(self) -> DiT:
@@ -448,7 +473,7 @@ class DiTModule(L.LightningModule):
                 indices,
                 seed=seed,
                 sampler=sampler or hp.sampler,
-                num_steps=num_steps or hp.sample_steps,
+                num_steps=hp.sample_steps if num_steps is None else num_steps,
                 eta=eta,
                 cfg_scale=hp.cfg_scale if cfg_scale is None else cfg_scale,
                 guide_channels=hp.guide_channels if guide_channels is None else guide_channels,

@@ -3,6 +3,7 @@ and the pixel-space stores that need none ("none/pixels", e.g. the digits demo).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Union
 
 import torch
@@ -24,10 +25,27 @@ def clip_denoised_for(vae: Optional[str]) -> bool:
     return is_pixel_space(vae)
 
 
+def _check_pickled_weights(name: str) -> None:
+    """A local VAE directory with pickled weights (``.bin``) only: they must load as plain tensors
+    (diffusers would say only "Unable to load weights"); safetensors hold no code at all."""
+    path = os.path.join(name, "diffusion_pytorch_model.bin")
+    if not os.path.isfile(path) or os.path.isfile(os.path.join(name, "diffusion_pytorch_model.safetensors")):
+        return
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise RuntimeError(
+            f"cannot load the VAE {name!r}: {path} is not a plain weights file (torch.load(weights_only=True) refused "
+            f"it: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__}); it could run code "
+            "when unpickled. Use the VAE's safetensors weights (AutoencoderKL.save_pretrained writes them)."
+        ) from None
+
+
 def load_vae(name: str, device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     """diffusers ``AutoencoderKL`` from a hub id or a local ``save_pretrained`` directory, frozen, in eval mode."""
     from diffusers.models import AutoencoderKL
 
+    _check_pickled_weights(name)
     try:
         vae = AutoencoderKL.from_pretrained(name, torch_dtype=dtype, low_cpu_mem_usage=False)
     except Exception as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -72,6 +73,28 @@ def _update_link(link: Path, target: Path) -> None:
         rank_zero_warn(f"could not link {link} -> {rel} ({e}); use --ckpt_path {target}")
 
 
+_SHARDED_STAGING = re.compile(r"^\.(.+)\.(writing|replaced)\.tmp$")
+
+
+def _recover_sharded_saves(directory: Path) -> None:
+    """Directories a killed sharded save left (``DiTFSDP2Strategy.save_checkpoint`` writes
+    ``.<name>.writing.tmp`` and swaps it with ``.<name>.replaced.tmp``): a replaced checkpoint
+    whose successor never arrived is put back, everything else is removed."""
+    if not directory.is_dir():
+        return
+    for entry in sorted(directory.iterdir()):
+        m = _SHARDED_STAGING.match(entry.name)
+        if not m or not entry.is_dir() or entry.is_symlink():
+            continue
+        target = directory / m.group(1)
+        if m.group(2) == "replaced" and not target.exists():
+            os.replace(entry, target)
+            rank_zero_warn(f"restored {target} from {entry.name}: its replacement was interrupted")
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+            rank_zero_warn(f"removed {entry}, a sharded checkpoint save that was interrupted")
+
+
 class DiTModelCheckpoint(ModelCheckpoint):
     """:class:`ModelCheckpoint` with the run-directory layout of this module.
 
@@ -104,6 +127,7 @@ class DiTModelCheckpoint(ModelCheckpoint):
             # a save killed half-way leaves a temporary file as large as a checkpoint
             for path in remove_stale_temporaries(self.dirpath, older_than_s=0.0):
                 rank_zero_warn(f"removed {path}, a temporary file of a checkpoint save that was interrupted")
+            _recover_sharded_saves(Path(self.dirpath))
 
     def _refresh_link(self, trainer: L.Trainer) -> None:
         if not (self.latest_link and trainer.is_global_zero and self.last_model_path):

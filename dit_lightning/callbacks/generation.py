@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal, Optional, cast
 
 import lightning as L
@@ -180,6 +182,16 @@ class GenerationMetrics(L.Callback):
                 keep_features="kid" in self.metrics, device=device, dim=self._dim,
             )  # fmt: skip
 
+    def output_locations(self, trainer: L.Trainer, stage: str) -> list[tuple[Path, str, str]]:
+        """Where this callback writes in ``stage`` (checked writable before any work):
+        (directory, what, the option that sets it)."""
+        if not (self.output and self._active(stage)):
+            return []
+        prefix = "test" if stage == "test" else "val"
+        return [
+            (run_path(self.output, trainer, stage=prefix).parent, "metrics file's directory", "--evaluation.output")
+        ]
+
     # ---- sampling and measuring -------------------------------------------------------------
     @torch.no_grad()
     def _local_features(
@@ -258,7 +270,7 @@ class GenerationMetrics(L.Callback):
         sampling = {
             "labels": self.labels if isinstance(self.labels, str) else list(self.labels),
             "sampler": self.sampler or pl_module.hparams.sampler,
-            "num_steps": self.num_steps or pl_module.hparams.sample_steps,
+            "num_steps": pl_module.hparams.sample_steps if self.num_steps is None else self.num_steps,
             "cfg_scale": pl_module.hparams.cfg_scale if self.cfg_scale is None else self.cfg_scale,
             "guide_channels": pl_module.hparams.guide_channels if self.guide_channels is None else self.guide_channels,
             "eta": self.eta,
@@ -272,6 +284,8 @@ class GenerationMetrics(L.Callback):
             # Identical on every rank (computed on rank 0 and broadcast): no reduction needed.
             pl_module.log(f"{prefix}/{name}", value, sync_dist=False, batch_size=self.num_samples)
         if self.output and trainer.is_global_zero:
+            # the numbers first: a write that fails (a full disk) must not take them with it
+            print(f"{prefix} metrics: " + json.dumps(self.scalars(result), sort_keys=True), flush=True)
             write_json(run_path(self.output, trainer, stage=prefix), self.last)
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import lightning as L
@@ -33,6 +34,12 @@ class PredictionWriter(BasePredictionWriter):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.resolved_dir = run_path(self.output_dir, trainer).resolve()
         self.written = 0
+
+    def output_locations(self, trainer: L.Trainer, stage: str) -> list[tuple[Path, str, str]]:
+        """Where this callback writes in ``stage``: (directory, what, the option that sets it)."""
+        if stage != "predict":
+            return []
+        return [(run_path(self.output_dir, trainer), "prediction directory", "the PredictionWriter's output_dir")]
 
     def write_on_batch_end(
         self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0
@@ -90,6 +97,12 @@ class SampleGrid(L.Callback):
         self.output = output
         self.upscale = upscale
         self.last_grid: Optional[Tensor] = None
+
+    def output_locations(self, trainer: L.Trainer, stage: str) -> list[tuple[Path, str, str]]:
+        """Where this callback writes in ``stage``: (directory, what, the option that sets it)."""
+        if stage != "fit" or not self.output:
+            return []
+        return [(run_path(self.output, trainer).parent, "sample grid's directory", "the SampleGrid's output")]
 
     def _labels(self, pl_module) -> list[int]:
         classes = self.classes if self.classes is not None else list(range(min(10, pl_module.model.num_classes)))

@@ -61,12 +61,16 @@ def export_checkpoint(
     ckpt = read_checkpoint(checkpoint, tmp_dir=out.parent)
     ema_sd = ckpt.weights("ema")
     obj: dict[str, Any]
+    cfg, _ = dit_config_of(ckpt)
+    args = {k: v for k, v in {**ckpt.args, "model_config": cfg}.items() if isinstance(v, _PLAIN)}
+    args.update({k: ckpt.meta[k] for k in ("epoch", "global_step") if isinstance(ckpt.meta.get(k), int)})
     if format == "raw":
         obj = _cpu(ema_sd)
     else:
-        cfg, _ = dit_config_of(ckpt)
-        args = {k: v for k, v in {**ckpt.args, "model_config": cfg}.items() if isinstance(v, _PLAIN)}
-        args.update({k: ckpt.meta[k] for k in ("epoch", "global_step") if isinstance(ckpt.meta.get(k), int)})
         obj = to_reference_format(ckpt.model, ema_sd, args=args, opt=ckpt.optimizer if include_optimizer else None)
     save_torch(obj, out)
+    if format == "raw":  # a bare state dict has no room for the architecture: record it beside the file
+        from .sidecar import write_sidecar
+
+        write_sidecar(out, args)
     return str(out)

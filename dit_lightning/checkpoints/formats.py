@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -74,10 +75,14 @@ class DiTCheckpoint:
 def _torch_load(path: Path) -> Any:
     # The reference scripts store their argparse.Namespace under "args": allow just that class.
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals([argparse.Namespace]), warnings.catch_warnings():
+            # a pickle of another protocol is refused below with a clearer message than this warning
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated file, pickle of arbitrary objects, not a torch file...
-        raise ValueError(f"could not read checkpoint '{path}' with torch.load(weights_only=True): {e}") from e
+    except Exception as e:  # empty or truncated file, pickle of arbitrary objects, not a torch file...
+        from .safe_load import load_error
+
+        raise ValueError(load_error(path, e)) from None
 
 
 def _from_lightning(path: str, ckpt: dict[str, Any], fmt: Format) -> DiTCheckpoint:
@@ -123,8 +128,13 @@ def read_checkpoint(path: Union[str, Path], tmp_dir: Optional[Union[str, Path]] 
             ckpt.get("opt") if isinstance(ckpt.get("opt"), dict) else None,
         )
     if "pos_embed" in ckpt or any(k.startswith("blocks.") for k in ckpt):  # raw (released) weights
+        from .sidecar import read_sidecar
+
         sd = clean_state_dict(ckpt)
-        return DiTCheckpoint(str(path), "raw", sd, sd)
+        recorded, note = read_sidecar(path)  # `export --format raw` records the architecture beside the file
+        if note:
+            warnings.warn(note, stacklevel=2)
+        return DiTCheckpoint(str(path), "raw", sd, sd, recorded or {})
     raise ValueError(
         f"checkpoint '{path}' is not a DiT checkpoint: expected a raw DiT state dict, "
         f"{{model, ema, opt, args}} or a Lightning checkpoint; found keys {sorted(ckpt)[:8]}"

@@ -40,9 +40,12 @@ def load_sharded_checkpoint(path: Union[str, Path], tmp_dir: Optional[Union[str,
     checkpoint) with ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    from .safe_load import check_dcp_metadata
+
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise ValueError(f"'{path}' is not a sharded checkpoint directory (no .metadata file)")
+    check_dcp_metadata(path)  # torch unpickles .metadata with plain pickle: vet it first
     fd, tmp = tempfile.mkstemp(prefix=".consolidate.", suffix=".tmp", dir=str(tmp_dir or path.parent))
     os.close(fd)
     try:

@@ -17,6 +17,7 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "plan": ("plan", "plan", "predicted GPU memory; --fit: the fastest setting that fits a GPU"),
     "sample": ("sample", "sample", "images from a checkpoint: PNGs, grid, ADM .npz; keyed, resumable"),
     "evaluate": ("evaluate", "evaluate", "sample, then FID / IS / KID (or the digits metrics)"),
+    "verify": ("verify", "verify", "check a latent store (sizes, checksums, NaN) or a checkpoint's weights"),
 }
 
 

@@ -12,9 +12,9 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..atomic import write_json
+from ..atomic import check_writable, write_json
 from ..evaluation.digits import digits_metrics_from_samples
-from ..evaluation.fid import compute_metrics, find_inception_weights
+from ..evaluation.fid import check_plain_npz, compute_metrics, find_inception_weights
 from ..precision import SamplingPrecision
 from ..sampling import LabelSpec, Sampler
 from .sample import Weights
@@ -94,11 +94,14 @@ def evaluate(
     extractor = feature_extractor
     if extractor is not None and not isinstance(extractor, nn.Module):
         raise TypeError("feature_extractor must be a torch.nn.Module mapping uint8 (N, 3, H, W) to (N, D)")
+    if reference is not None and not os.path.exists(reference):
+        raise FileNotFoundError(f"reference {reference} does not exist")
+    if reference is not None and reference.endswith(".npz"):
+        check_plain_npz(reference)  # before hours of sampling
     inception_needed = any(m in wanted for m in ("fid", "is", "kid")) and feature_extractor is None
     if inception_needed:
         find_inception_weights(inception_weights)  # fail now, not after hours of sampling
-    if reference is not None and not os.path.exists(reference):
-        raise FileNotFoundError(f"reference {reference} does not exist")
+    check_writable(output, "output directory", "Choose another --output.")
     result = run_sampling(
         checkpoint, output, num_samples=num_samples, labels=labels, sampler=sampler, num_steps=num_steps, eta=eta,
         cfg_scale=cfg_scale, guide_channels=guide_channels, seed=seed, batch_size=batch_size, precision=precision,

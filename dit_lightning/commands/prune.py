@@ -24,6 +24,36 @@ from ..models.pruning import (
     prune_mlp,
     select_blocks,
 )
+from .output import check_new_output
+
+
+def _check_request(
+    model: Any,
+    depth: Optional[int],
+    mlp_ratio: Optional[float],
+    heads: Optional[int],
+    keep_blocks: Optional[list[int]],
+    checkpoint: str,
+) -> None:
+    """Refuse pruning requests that cannot shrink ``model``, naming what it has."""
+    blocks, width = len(model.blocks), model.blocks[0].mlp.fc1.out_features
+    have = f"{checkpoint} has depth {blocks}, {model.num_heads} heads, mlp_ratio {width / model.hidden_size:g}"
+    if depth is not None and not 1 <= depth < blocks:
+        raise ValueError(f"--depth {depth}: {have}; prune to a depth from 1 to {blocks - 1}")
+    if keep_blocks is not None:
+        bad = sorted({b for b in keep_blocks if not 0 <= b < blocks})
+        if bad or not keep_blocks or len(set(keep_blocks)) >= blocks:
+            raise ValueError(
+                f"--keep_blocks {keep_blocks}: {have}; keep 1 to {blocks - 1} distinct blocks of 0..{blocks - 1}"
+            )
+    if heads is not None and not 1 <= heads < model.num_heads:
+        raise ValueError(f"--heads {heads}: {have}; keep from 1 to {model.num_heads - 1} heads")
+    if mlp_ratio is not None and not 0 < int(model.hidden_size * mlp_ratio) < width:
+        raise ValueError(
+            f"--mlp_ratio {mlp_ratio}: {have}; a smaller ratio (fewer than {width} MLP channels) prunes the MLP"
+        )
+    if depth is None and keep_blocks is None and heads is None and mlp_ratio is None:
+        raise ValueError(f"nothing to prune: {have}; pass --depth, --keep_blocks, --heads and/or --mlp_ratio")
 
 
 def load_calibration_batch(path: str, size: int = 256, seed: int = 0) -> dict[str, Tensor]:
@@ -53,6 +83,7 @@ def prune(
     noise_schedule: Optional[str] = None,
     diffusion_steps: Optional[int] = None,
     seed: int = 0,
+    overwrite: bool = False,
 ) -> str:
     """Prune a DiT checkpoint into a smaller DiT and write it in the reference format.
 
@@ -75,10 +106,16 @@ def prune(
         noise_schedule: of the calibration loss ("linear" or "cosine"); default the checkpoint's.
         diffusion_steps: of the calibration loss; default the checkpoint's.
         seed: of the calibration subset, timesteps and noise.
+        overwrite: replace an existing ``output`` (otherwise an existing file is an error).
     Returns the output path.
+
+    A request that would not make the network smaller (``depth`` not below the model's, more
+    heads or a wider MLP than it has, nothing asked at all) is an error, not an unpruned copy.
     """
+    check_new_output(output, overwrite)
     loaded = load_dit(checkpoint, weights=weights)
     model, args = loaded.net, loaded.args
+    _check_request(model, depth, mlp_ratio, heads, keep_blocks, checkpoint)
     diffusion = create_diffusion(
         "",
         noise_schedule=noise_schedule or args.get("noise_schedule") or "linear",

@@ -89,6 +89,20 @@ def _chunks(seq: Sequence[int], size: int) -> Iterator[Sequence[int]]:
         yield seq[start : start + size]
 
 
+def _check_arguments(**values: Any) -> None:
+    """Explicit settings out of range fail before anything is loaded (never a silent default)."""
+    least = {"num_steps": 2, "num_samples": 1, "batch_size": 1, "grid_size": 0}
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name == "eta":
+            if value < 0:
+                raise ValueError(f"--eta {value}: the DDIM noise must be >= 0 (0: deterministic)")
+        elif value < least[name]:
+            hint = " (250 is the paper's; 2 is the fewest a sampler takes)" if name == "num_steps" else ""
+            raise ValueError(f"--{name} {value}: must be at least {least[name]}{hint}")
+
+
 def sample(
     checkpoint: str,
     output: str,
@@ -152,6 +166,7 @@ def sample(
         progress: print progress to stderr.
     """
     t_start = time.perf_counter()
+    _check_arguments(num_steps=num_steps, num_samples=num_samples, batch_size=batch_size, grid_size=grid_size, eta=eta)
     # Ranks given as arguments (separate jobs, tests) need no process group: the last one to
     # finish assembles the npz. Under torchrun we join its group for a final barrier.
     explicit_rank = rank is not None and world_size is not None
@@ -165,7 +180,7 @@ def sample(
         net = loaded.net.requires_grad_(False)
         d = loaded.sampling_defaults
         sampler = sampler or d.get("sampler") or "ddpm"
-        num_steps = num_steps or d.get("sample_steps") or 250
+        num_steps = num_steps if num_steps is not None else (d.get("sample_steps") or 250)
         cfg_scale = float(d.get("cfg_scale", 1.0) if cfg_scale is None else cfg_scale)
         guide_channels = d.get("guide_channels") if guide_channels is None else guide_channels
         vae_name = vae or loaded.vae or (DEFAULT_VAE if net.in_channels == 4 else "none/pixels")

@@ -21,7 +21,6 @@ How batches are made (see docs/data.md):
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 import weakref
@@ -431,6 +430,10 @@ class LatentDataModule(L.LightningDataModule):
             by wrapping around to the start of the epoch's permutation.
         predict_labels: Classes ``dit-lightning predict`` samples ("all", "random", "0-9", "1,5").
         predict_num_samples: Number of samples ``dit-lightning predict`` generates.
+        verify_checksums: Before training, hash every shard and compare with the sha256 its commit
+            record holds, and scan it for NaN / inf (reads the whole store once, split over the
+            ranks). Opening a store always checks the files' sizes; ``dit-lightning verify`` does
+            this check without training.
     """
 
     def __init__(
@@ -452,6 +455,7 @@ class LatentDataModule(L.LightningDataModule):
         drop_last: bool = True,
         predict_labels: str = "all",
         predict_num_samples: int = 64,
+        verify_checksums: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -487,8 +491,7 @@ class LatentDataModule(L.LightningDataModule):
     def _read_spec(self) -> st.StoreSpec:
         meta_path = os.path.join(self.path, st.META_FILE)
         if os.path.exists(meta_path):
-            with open(meta_path) as f:
-                return st.StoreSpec.from_json(json.load(f))
+            return st.LatentStore(self.path).spec  # validated: a corrupt index or shard names its file
         if self.prepare == "digits":
             return digits_spec(self.digits_size)
         st.LatentStore(self.path)  # raises the explanatory error (missing / incomplete store)
@@ -555,6 +558,8 @@ class LatentDataModule(L.LightningDataModule):
                 self.prepare_data()  # notebook use without a trainer
             self.store = st.LatentStore(self.path)
             self.spec = self.store.spec
+            if self.hparams.get("verify_checksums"):
+                self._verify(world, rank)
         self.train_indices, self.val_indices = split_indices(len(self.store), self.val_size, self.split_seed)
         n_train = len(self.train_indices)
         if self.drop_last and n_train < self.global_batch_size:
@@ -562,6 +567,21 @@ class LatentDataModule(L.LightningDataModule):
                 f"the train split has {n_train} samples, fewer than one global batch of {self.global_batch_size}: "
                 "lower global_batch_size or set drop_last=False"
             )
+
+    def _verify(self, world: int, rank: int) -> None:
+        """``verify_checksums``: this rank checks shards k = rank (mod world); all ranks stop together."""
+        assert self.store is not None
+        problems = self.store.verify(checksums=True, values=True, shards=range(rank, self.store.num_shards, world))
+        trainer = getattr(self, "trainer", None)
+        ok = not problems
+        if trainer is not None and world > 1:
+            ok = trainer.strategy.reduce_boolean_decision(ok, all=True)
+        if problems:
+            listed = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+            raise st.StoreError(f"the store at {self.path} failed verification: {listed}")
+        if not ok:
+            raise st.StoreError(f"the store at {self.path} failed verification on another rank (see its message)")
+        rank_zero_info(f"verified the checksums and values of the {self.store.num_shards} shards of {self.path}")
 
     def _loader_kwargs(self) -> dict[str, Any]:
         return {

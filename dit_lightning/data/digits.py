@@ -84,6 +84,13 @@ def prepare_digits(output: str, size: int = 8, overwrite: bool = False) -> str:
                 f"{output} exists but is not a digits store of size {size}; "
                 "pass overwrite=True (prepare_digits) or choose another path"
             )
+        # Only a store this project wrote is ever replaced, and never a directory holding the input.
+        st.check_removable_store(output)
+        require_sklearn()
+        import sklearn.datasets
+
+        if st.contains(output, os.path.dirname(sklearn.datasets.__file__)):
+            raise st.StoreError(f"--output {output} contains scikit-learn's digits (the input); choose another path")
     raw, target = load_uci_digits()
     images = raw.astype(np.float32) / 16.0 * 2.0 - 1.0  # (1797, 8, 8)
     factor = size // 8
@@ -106,8 +113,8 @@ def prepare_digits(output: str, size: int = 8, overwrite: bool = False) -> str:
             st.write_shard(tmp, k, spec, data[a:b], labels[a:b], [f"load_digits[{i}]" for i in range(a, b)])
         st.finalize_store(tmp)
         os.chmod(tmp, 0o755)
-        if os.path.exists(output):  # overwrite=True
-            shutil.rmtree(output)
+        if os.path.exists(output):  # overwrite=True: checked above to be a store and nothing else
+            st.remove_store(output)
         try:
             os.rename(tmp, output)
         except OSError:

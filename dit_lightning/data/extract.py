@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import time
 from typing import Any, Literal, Optional
 
@@ -95,8 +94,8 @@ def _exit_plan() -> tuple[Optional[int], bool]:
 
 
 def extract_latents(
-    image_root: str,
-    output: str,
+    image_root: Optional[str] = None,
+    output: Optional[str] = None,
     vae: str = "stabilityai/sd-vae-ft-ema",
     image_size: int = 256,
     batch_size: int = 32,
@@ -121,8 +120,8 @@ def extract_latents(
 
     Args:
         image_root: ImageFolder root, ``root/<class>/<image>`` (ImageNet layout); classes and
-            files are taken in sorted order.
-        output: Store directory. Rerunning with the same arguments resumes an interrupted run.
+            files are taken in sorted order. (Not needed with ``finalize_only``.)
+        output: Store directory (required). Rerunning with the same arguments resumes an interrupted run.
         vae: diffusers ``AutoencoderKL``: a hub id or a local directory (``save_pretrained``).
         image_size: Side of the ADM centre crop in pixels (256 -> 4x32x32 latents with the SD VAE).
         batch_size: Images per VAE forward (their flips are encoded in the same forward).
@@ -142,7 +141,9 @@ def extract_latents(
         limit: Only use the first ``limit`` files of the sorted list (smoke tests).
         finalize: Write the index when all shards are present.
         finalize_only: Do not encode; only finalise a store whose shards are all written.
-        overwrite: Delete an existing store at ``output`` first (single process only).
+        overwrite: Replace an existing store at ``output`` (single process only): only a directory
+            that is provably a store written by this tool (and holds nothing else, and not the
+            images) is deleted, and only after the images and the VAE have been checked.
         progress: Show a rich progress bar (on local rank 0).
 
     Returns:
@@ -151,29 +152,54 @@ def extract_latents(
     """
     t0 = time.perf_counter()
     rank, world_size, local_rank = resolve_rank(rank, world_size)
+    if not output:
+        raise ValueError("extract needs --output: the store directory to write (or to finalise)")
     output = os.path.abspath(output)
     if finalize_only:
         meta = st.finalize_store(output)
         return {"output": output, "finalized": True, "count": meta["count"], "rank": rank}
-    if overwrite and os.path.exists(output):
+    if not image_root:
+        raise ValueError("extract needs --image_root: the ImageFolder to encode (root/<class>/<image>)")
+    if not os.path.isdir(image_root):
+        raise FileNotFoundError(f"--image_root {image_root} is not a directory of class folders")
+    if st.contains(output, image_root):
+        raise ValueError(
+            f"--output {output} contains the images (--image_root {os.path.abspath(image_root)}): the store must be "
+            "written to a directory of its own, outside the images"
+        )
+    if st.contains(image_root, output):
+        raise ValueError(
+            f"--output {output} lies inside --image_root {os.path.abspath(image_root)}: the store would be read as "
+            "images of a class; write it outside the image folder"
+        )
+    replace = overwrite and os.path.exists(output)
+    if replace:
         if world_size > 1:
             raise ValueError("overwrite=True with several processes would race; delete the output once, first")
-        shutil.rmtree(output)
+        st.check_removable_store(output)  # before any work: refuse what is not provably a store
 
     paths, labels, classes = list_image_folder(image_root)
     if limit is not None:
         paths, labels = paths[:limit], labels[:limit]
     if not paths:
         raise FileNotFoundError(f"no images under {image_root} (extensions: jpg, jpeg, png, ...)")
+    if image_size < 1:
+        raise ValueError(f"image_size must be a positive number of pixels, got {image_size}")
+    for name, value in (("batch_size", batch_size), ("shard_size", shard_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
 
     dev = resolve_device(device, local_rank)
     vae_model = None
+    if replace:
+        vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))  # the last input check
+        st.remove_store(output)  # every input check passed: now the old store may go
     if os.path.exists(os.path.join(output, st.PLAN_FILE)):
         # Resume: the shapes come from the plan, and the VAE is loaded only if work is left.
         old = st.load_plan(output)
         latent_shape, sf = old.latent_shape, old.scale_factor
     else:
-        vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))
+        vae_model = vae_model or load_vae(vae, dev, getattr(torch, vae_dtype))
         cfg: Any = vae_model.config  # diffusers' FrozenDict: its keys read as attributes
         down = 2 ** (len(cfg.block_out_channels) - 1)
         if image_size % down:
@@ -257,6 +283,12 @@ def extract_latents(
     }
     if progress:
         _print_summary(summary)
+    if finalized and meta_count == 0:
+        raise ValueError(
+            f"none of the {len(paths)} files under {image_root} could be read as an image: every one was skipped "
+            f"(the reason for each is in {summary['report']}). The store at {output} is empty: check the files "
+            "and --image_root, then run again with --overwrite true"
+        )
     return summary
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import resource
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, Optional, Union
@@ -173,14 +174,35 @@ def _describe_diff(diff: dict[str, tuple[Any, Any]]) -> str:
     return "; ".join(parts)
 
 
+def read_json_file(path: str, fix: str) -> Any:
+    """A JSON file of a store; a truncated or corrupt one raises :class:`StoreError` naming the
+    file and ``fix`` (a missing one raises ``FileNotFoundError``)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except UnicodeDecodeError as e:
+        raise StoreError(f"{path} is not a JSON file ({e}); {fix}") from None
+    except json.JSONDecodeError as e:
+        size = os.path.getsize(path)
+        state = "empty" if size == 0 else f"truncated or corrupt ({e.msg} at line {e.lineno} column {e.colno})"
+        raise StoreError(f"{path} is {state}; {fix}") from None
+
+
+def _refinalize(root: PathLike) -> str:
+    return (
+        f"write it again from the shards with `dit-lightning extract --output {os.fspath(root)} --finalize_only true`"
+    )
+
+
 def load_plan(root: PathLike) -> StoreSpec:
     """Read ``plan.json``."""
     path = os.path.join(os.fspath(root), PLAN_FILE)
     try:
-        with open(path) as f:
-            d = json.load(f)
+        d = read_json_file(path, "delete the store directory and extract it again")
     except FileNotFoundError:
         raise StoreError(f"{root} has no {PLAN_FILE}: not a latent store (or extraction never started)") from None
+    if not isinstance(d, dict):
+        raise StoreError(f"{path} is not a {FORMAT_NAME} file")
     _check_format(d, path)
     return StoreSpec.from_json(d)
 
@@ -402,36 +424,37 @@ class LatentStore:
         meta_path = os.path.join(self.path, META_FILE)
         if not os.path.exists(meta_path):
             self._explain_missing_meta()
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-        except ValueError as e:
-            raise StoreError(f"{meta_path} is not valid JSON ({e}); run finalize_store({self.path!r})") from None
+        meta = read_json_file(meta_path, _refinalize(self.path))
+        if not isinstance(meta, dict):
+            raise StoreError(f"{meta_path} is not a {FORMAT_NAME} index; {_refinalize(self.path)}")
         _check_format(meta, meta_path)
         self.meta: dict[str, Any] = meta
-        self.spec = StoreSpec.from_json(meta)
+        try:
+            self.spec = StoreSpec.from_json(meta)
+            shards = meta["shards"]
+            counts = np.array([int(s["count"]) for s in shards], dtype=np.int64)
+            self._files = [os.path.join(self.path, s["file"]) for s in shards]
+        except (KeyError, TypeError, ValueError) as e:
+            problem = f"{type(e).__name__}: {e}"
+            raise StoreError(f"{meta_path} is not a complete index ({problem}); {_refinalize(path)}") from None
         self._sample_shape = self.spec.sample_shape
-        shards = meta["shards"]
-        counts = np.array([int(s["count"]) for s in shards], dtype=np.int64)
-        self._files = [os.path.join(self.path, s["file"]) for s in shards]
         self._counts = counts
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if int(self.offsets[-1]) != int(meta["count"]):
             raise StoreError(
                 f"{meta_path}: shard counts add up to {int(self.offsets[-1])}, but count is {meta['count']}; "
-                f"the metadata is corrupt: run finalize_store({self.path!r}) again"
+                f"the metadata is corrupt: {_refinalize(self.path)}"
             )
-        for fname, n in zip(self._files, counts):
-            self._validate_shard(fname, int(n))
+        for fname, n, entry in zip(self._files, counts, shards):
+            self._validate_shard(fname, int(n), entry.get("bytes"))
         labels_path = os.path.join(self.path, meta.get("labels_file", LABELS_FILE))
         try:
             labels = np.load(labels_path)
         except (OSError, ValueError) as e:
-            raise StoreError(f"cannot read {labels_path} ({e}); run finalize_store({self.path!r}) again") from None
+            raise StoreError(f"cannot read {labels_path} ({e}); {_refinalize(self.path)}") from None
         if labels.shape != (len(self),):
             raise StoreError(
-                f"{labels_path} holds {labels.shape} labels for {len(self)} samples; "
-                f"run finalize_store({self.path!r}) again"
+                f"{labels_path} holds {labels.shape} labels for {len(self)} samples; {_refinalize(self.path)}"
             )
         if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
             raise StoreError(f"{labels_path}: labels outside [0, {self.num_classes}); the store is corrupt")
@@ -453,12 +476,11 @@ class LatentStore:
                     "Rerun the same `dit-lightning extract` command (on all ranks) to resume it."
                 )
             raise IncompleteStoreError(
-                f"{self.path}: all shards are written but the store was not finalised; "
-                f"run `dit-lightning extract ... --finalize_only true` or finalize_store({self.path!r})"
+                f"{self.path}: all shards are written but the store was not finalised; {_refinalize(self.path)}"
             )
         raise StoreError(f"{self.path} has no {META_FILE}: not a latent store")
 
-    def _validate_shard(self, fname: str, n: int) -> None:
+    def _validate_shard(self, fname: str, n: int, recorded_bytes: Optional[int] = None) -> None:
         fix = (
             f"delete {fname} and its .json/.labels.npy siblings and rerun the extraction to rewrite it "
             f"(the other shards are kept), then finalize"
@@ -483,6 +505,48 @@ class LatentStore:
         want = offset + int(np.prod(expected)) * dtype.itemsize
         if size != want:
             raise StoreError(f"shard {fname} is truncated or padded: {size} bytes, expected {want}; {fix}")
+        if recorded_bytes is not None and int(recorded_bytes) != size:
+            raise StoreError(f"shard {fname} has {size} bytes, the index records {recorded_bytes}; {fix}")
+
+    def shard_record(self, k: int) -> dict[str, Any]:
+        """The commit record (``shards/shard-KKKKK.json``) of shard ``k``: checksums, sources, report."""
+        path = os.path.splitext(self._files[k])[0] + ".json"
+        try:
+            record = read_json_file(path, f"delete shard {k}'s files and rerun the extraction to rewrite it")
+        except FileNotFoundError:
+            raise StoreError(f"{path} (the commit record of shard {k}) is missing; the store is incomplete") from None
+        return record
+
+    def verify(self, checksums: bool = True, values: bool = True, shards: Optional[Iterable[int]] = None) -> list[str]:
+        """Problems of the shards ``shards`` (default all) beyond what opening checks (sizes):
+        data that changed since it was written (sha256 against the commit record, with
+        ``checksums``) and non-finite values (NaN / inf, with ``values``). Reads the data once."""
+        problems: list[str] = []
+        for k in range(self.num_shards) if shards is None else shards:
+            fname = self._files[k]
+            fix = f"delete {fname} and its .json/.labels.npy siblings and rerun the extraction to rewrite it"
+            if checksums:
+                try:
+                    want = self.shard_record(k).get("data_sha256")
+                except StoreError as e:
+                    problems.append(str(e))
+                    continue
+                got = _sha256(fname)
+                if want and got != want:
+                    problems.append(
+                        f"shard {fname} changed since it was written (sha256 {got[:12]}..., the commit record has "
+                        f"{want[:12]}...): corrupted on disk or edited; {fix}"
+                    )
+                    continue
+            if values:
+                bad = _nonfinite(self._map(k), self.spec.dtype)
+                if bad:
+                    count, first = bad
+                    problems.append(
+                        f"shard {fname} holds {count} non-finite values (NaN or inf; the first in its sample "
+                        f"{first // self.num_flips}): training on it gives a NaN loss; {fix}"
+                    )
+        return problems
 
     # -- metadata ------------------------------------------------------------------
 
@@ -627,10 +691,115 @@ class LatentStore:
         )
 
 
+def _nonfinite(rows: np.ndarray, dtype: str, chunk: int = 4096) -> Optional[tuple[int, int]]:
+    """(count, first row) of the non-finite values of stored rows (n, ...), or None."""
+    count, first = 0, -1
+    for a in range(0, len(rows), chunk):
+        block = np.asarray(rows[a : a + chunk])
+        if dtype == "bfloat16":  # the uint16 bits of bfloat16: exponent all ones is inf or NaN
+            bad = (block & np.uint16(0x7F80)) == np.uint16(0x7F80)
+        else:
+            bad = ~np.isfinite(block)
+        n = int(bad.sum())
+        if n:
+            count += n
+            if first < 0:
+                first = a + int(np.nonzero(bad.reshape(len(block), -1).any(axis=1))[0][0])
+    return (count, first) if count else None
+
+
+def verify_store(path: PathLike, checksums: bool = True, values: bool = True) -> list[str]:
+    """Everything wrong with the store at ``path``: what opening it finds (missing, truncated or
+    resized files, a corrupt index), then checksums and non-finite values (see
+    :meth:`LatentStore.verify`). An empty list: the store is as it was written."""
+    try:
+        store = LatentStore(path)
+    except StoreError as e:
+        return [str(e)]
+    return store.verify(checksums=checksums, values=values)
+
+
 def store_info(path: PathLike) -> dict[str, Any]:
     """Metadata of the store at ``path`` (meta.json) without validating the shards."""
-    with open(os.path.join(os.fspath(path), META_FILE)) as f:
-        return json.load(f)
+    return read_json_file(os.path.join(os.fspath(path), META_FILE), _refinalize(path))
+
+
+# Names a store directory may hold: its files, the shards directory, and temporaries of atomic writes.
+_STORE_FILES = {META_FILE, PLAN_FILE, LABELS_FILE, SOURCES_FILE, REPORT_FILE}
+_SHARD_FILE = re.compile(r"^shard-\d{5,}(\.npy|\.labels\.npy|\.json)$")
+_TEMPORARY = re.compile(r"^\..+\.tmp$")
+
+
+def foreign_entries(root: PathLike) -> list[str]:
+    """The entries of directory ``root`` that a latent store does not have (besides temporaries)."""
+    root = os.fspath(root)
+    foreign = []
+    for name in sorted(os.listdir(root)):
+        full = os.path.join(root, name)
+        if name == SHARD_DIR and os.path.isdir(full) and not os.path.islink(full):
+            foreign += [
+                os.path.join(SHARD_DIR, n)
+                for n in sorted(os.listdir(full))
+                if not (_SHARD_FILE.match(n) or _TEMPORARY.match(n)) or not os.path.isfile(os.path.join(full, n))
+            ]
+        elif not ((name in _STORE_FILES or _TEMPORARY.match(name)) and os.path.isfile(full)):
+            foreign.append(name)
+    return foreign
+
+
+def check_removable_store(root: PathLike, option: str = "--output") -> None:
+    """Raise :class:`StoreError` unless ``root`` is provably a store this project wrote (its
+    ``plan.json`` or ``meta.json`` says so) holding nothing but a store's files: the only
+    directories ``overwrite`` may delete."""
+    root = os.path.abspath(os.fspath(root))
+    if not os.path.isdir(root) or os.path.islink(root):
+        raise StoreError(f"{option} {root} is not a directory; nothing was deleted")
+    markers = [os.path.join(root, n) for n in (PLAN_FILE, META_FILE)]
+    marker = next((m for m in markers if os.path.isfile(m)), None)
+    formatted = False
+    if marker is not None:
+        try:
+            with open(marker) as f:
+                formatted = json.load(f).get("format") == FORMAT_NAME
+        except (OSError, ValueError, AttributeError):
+            formatted = False
+    if not formatted:
+        raise StoreError(
+            f"{option} {root} exists and is not a latent store ({PLAN_FILE} / {META_FILE} of {FORMAT_NAME} "
+            "missing): overwrite only ever replaces a store this tool wrote. Nothing was deleted; choose another "
+            f"{option} or empty the directory yourself"
+        )
+    foreign = foreign_entries(root)
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise StoreError(
+            f"{option} {root} is a latent store but also holds other files ({listed}): overwrite would delete them. "
+            f"Nothing was deleted; move them out, or choose another {option}"
+        )
+
+
+def remove_store(root: PathLike, option: str = "--output") -> None:
+    """Delete the store at ``root`` (after :func:`check_removable_store`): its files one by one,
+    then the emptied directories; never anything else."""
+    check_removable_store(root, option)
+    root = os.path.abspath(os.fspath(root))
+    meta = os.path.join(root, META_FILE)
+    if os.path.exists(meta):  # the index first: never a store that looks complete with parts missing
+        os.unlink(meta)
+    shard_dir = os.path.join(root, SHARD_DIR)
+    if os.path.isdir(shard_dir):
+        for name in os.listdir(shard_dir):
+            os.unlink(os.path.join(shard_dir, name))
+        os.rmdir(shard_dir)
+    for name in os.listdir(root):
+        os.unlink(os.path.join(root, name))
+    os.rmdir(root)
+
+
+def contains(parent: PathLike, child: PathLike) -> bool:
+    """True when ``child`` is ``parent`` or lies inside it (symbolic links resolved)."""
+    p, c = os.path.realpath(os.fspath(parent)), os.path.realpath(os.fspath(child))
+    return c == p or c.startswith(p.rstrip(os.sep) + os.sep)
 
 
 def iter_chunks(n: int, size: int) -> Iterable[tuple[int, int]]:

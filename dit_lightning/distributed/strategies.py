@@ -19,7 +19,10 @@ Activation checkpointing has one knob under every strategy: the model's own
 
 from __future__ import annotations
 
+import os
+import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -27,6 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from torch import nn
 
+from ..atomic import fsync_dir
 from ..models import DiT, DiTBlock
 from ..precision import optional_dtype
 from .sharding import _dit_children
@@ -237,3 +241,29 @@ class DiTFSDP2Strategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """A sharded checkpoint directory is written beside its target and renamed into place, so a
+        kill during the save (a signal's grace period running out, pre-emption) leaves the previous
+        checkpoint whole: Lightning writes the shards over the old ones in place."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        staging = path.with_name(f".{path.name}.writing.tmp")  # the same name on every rank
+        if self.global_rank == 0 and staging.exists():
+            shutil.rmtree(staging)  # left by a save that was killed
+        self.barrier("dit_sharded_save_start")
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier("dit_sharded_save_written")
+        if self.global_rank == 0:
+            old = path.with_name(f".{path.name}.replaced.tmp")
+            if old.exists():
+                shutil.rmtree(old)
+            if path.is_dir():
+                os.replace(path, old)
+            elif path.exists():
+                path.unlink()
+            os.replace(staging, path)  # between the two renames the old copy is complete beside it
+            fsync_dir(path.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier("dit_sharded_save_done")

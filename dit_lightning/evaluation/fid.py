@@ -211,10 +211,16 @@ class FeatureStats:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> FeatureStats:
-        with np.load(path) as z:
-            n = int(z["num_samples"]) if "num_samples" in z.files else ASSUMED_REFERENCE_COUNT
-            feats = z["features"] if "features" in z.files else None
-            return cls(z["mu"].astype(np.float64), z["sigma"].astype(np.float64), n, feats)
+        try:
+            with np.load(path) as z:  # allow_pickle=False: object arrays (pickles) are refused
+                n = int(z["num_samples"]) if "num_samples" in z.files else ASSUMED_REFERENCE_COUNT
+                feats = z["features"] if "features" in z.files else None
+                return cls(z["mu"].astype(np.float64), z["sigma"].astype(np.float64), n, feats)
+        except ValueError as e:
+            raise ValueError(
+                f"the statistics file {path} cannot be read as plain arrays ({e}); pickled objects are never loaded. "
+                "Use the published reference .npz (mu, sigma) or let dit-lightning compute statistics from images"
+            ) from None
 
 
 def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray) -> float:
@@ -439,7 +445,35 @@ def check_metrics(
         raise ValueError("FID and KID need a reference (image folder, store, .npz of images or of mu/sigma)")
     if "is" in wanted and feature_extractor is not None:
         raise ValueError("IS needs the Inception classifier's logits: leave feature_extractor unset")
+    if reference is not None and str(reference).endswith(".npz") and os.path.isfile(reference):
+        check_plain_npz(reference)
     return wanted
+
+
+def check_plain_npz(path: Union[str, os.PathLike[Any]]) -> None:
+    """Refuse an ``.npz`` holding object arrays (pickles) before any work, from the array headers
+    alone (nothing is unpickled, nothing large is read)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            for name in z.namelist():
+                with z.open(name) as f:
+                    version = np.lib.format.read_magic(f)
+                    read = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    _, _, dtype = read(f)
+                    if dtype.hasobject:
+                        raise ValueError(
+                            f"{path} holds pickled objects (array {name!r} has dtype object), which are never "
+                            "loaded (unpickling could run code): use an .npz of plain arrays (images as uint8, or "
+                            "mu / sigma statistics)"
+                        )
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ValueError(f"{path} is not a readable .npz file ({e}); download or write it again") from None
 
 
 def build_extractor(

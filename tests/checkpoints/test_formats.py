@@ -52,5 +52,5 @@ def test_read_checkpoint_refuses_non_dit_and_truncated_files(tmp_path):
     torch.save(src.state_dict(), good)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[:1000])
-    with pytest.raises(ValueError, match="could not read checkpoint"):
+    with pytest.raises(ValueError, match="is truncated or corrupt"):
         read_checkpoint(truncated)

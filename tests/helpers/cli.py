@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 
@@ -60,3 +61,38 @@ class KillAtStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step >= self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SignalAtStep(L.Callback):
+    """Send this process ``signum`` once the given optimiser step has finished (a real signal,
+    delivered like one from ``kill``, at a reproducible point of the run); with ``rank``, only
+    that rank's process gets it (like ``kill`` of the launching process)."""
+
+    def __init__(self, step: int, signum: int = int(signal.SIGTERM), rank: Optional[int] = None) -> None:
+        self.step, self.signum, self.rank, self.sent = step, signum, rank, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        mine = self.rank is None or trainer.global_rank == self.rank
+        if trainer.global_step >= self.step and not self.sent and mine:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+
+class KillRankAtStep(L.Callback):
+    """SIGKILL (or another signal, e.g. SIGSTOP: a frozen rank) the process of ``rank`` once the
+    given optimiser step has finished: a rank lost in the middle of a multi-process run."""
+
+    def __init__(self, rank: int, step: int, signum: int = int(signal.SIGKILL)) -> None:
+        self.rank, self.step, self.signum = rank, step, signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            print(f"rank {self.rank} (pid {os.getpid()}) gets signal {self.signum} now", flush=True)
+            os.kill(os.getpid(), self.signum)
+
+
+class PrintStep(L.Callback):
+    """Print ``step N`` after each optimiser step (flushed), for tests that act on a live run."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        print(f"step {trainer.global_step}", flush=True)

@@ -1,0 +1,588 @@
+"""Fail safe: nothing lost on signals, no non-finite weights saved, outputs checked before work, and a
+lost rank named instead of a hang.
+
+:class:`FaultTolerance` is on by default in the CLI (``--fault_tolerance.*``; add it to a
+``Trainer`` by hand elsewhere). What it does:
+
+- **Signals.** SIGTERM (``scancel``, pre-emption, Kubernetes), SIGINT (Ctrl-C) and SIGUSR1 let the
+  optimiser step in progress finish; then every rank writes ``last.ckpt`` together through the
+  checkpoint callback (atomically: :class:`~dit_lightning.plugins.AtomicCheckpointIO`), and the
+  process exits with 128 + the signal's number (143, 130, 138). Resuming from it
+  (``--ckpt_path last``) continues bit for bit. A second signal stops at once. Under SLURM with
+  Lightning's auto-requeue, SIGUSR1 stays Lightning's (an hpc checkpoint and ``scontrol requeue``).
+- **Non-finite losses.** A NaN / inf training loss (on any rank) stops the run with a clear error
+  after ``nonfinite_patience`` further such steps (default: at the first); and no checkpoint is
+  ever written from weights holding NaN / inf, so a good ``last.ckpt`` is never overwritten.
+- **Outputs.** Before the first step (or the first sample of ``test`` / ``predict``) every
+  directory the run will write (checkpoints, logs, sample grid, metrics file, predictions) is
+  created and tried with a temporary file: an unwritable one fails now, not at the first save.
+- **Lost ranks.** In a multi-process run each rank beats a counter in the rendezvous store once
+  per ``heartbeat_interval``; a rank whose process has exited (same host) or whose counter stops
+  for ``peer_timeout`` seconds (a dead or frozen node) is named by the others, which then stop
+  (in at most ``peer_timeout`` + 10 s, instead of hanging to the 30-minute collective timeout).
+  A collective that fails because a peer died carries the same diagnosis in its error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from ..atomic import check_writable
+from ..distributed.sharding import is_sharded
+
+# The signals that stop a run cleanly, and what a user reads for them.
+_SIGNALS: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGUSR1: "SIGUSR1"}
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss was NaN / inf for more steps than allowed."""
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """A checkpoint was about to be written from weights holding NaN / inf."""
+
+
+class OutputNotWritableError(OSError):
+    """An output location of the run cannot be written."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "an output location cannot be written"
+
+
+class SignalExit(SystemExit):
+    """Raised on every rank after the checkpoint a signal asked for is written; exits 128 + signal."""
+
+
+def _is_step_end(trainer: L.Trainer) -> bool:
+    """Whether the batch that just ended completed an optimiser step (not a gradient accumulation)."""
+    loop = trainer.fit_loop.epoch_loop
+    try:
+        return not loop._should_accumulate()
+    except Exception:  # a Lightning without the method: every batch counts
+        return True
+
+
+def _started_by_lightning(trainer: L.Trainer) -> bool:
+    """Whether this process is a rank that Lightning's own launcher started (a child running the
+    same command line as its parent, the rank-0 process)."""
+    if not isinstance(getattr(trainer.strategy, "cluster_environment", None), LightningEnvironment):
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return False
+    mine = sys.argv[1:]
+    return len(parent) > len(mine) and parent[len(parent) - len(mine) :] == mine
+
+
+def _leave_after_the_launcher(trainer: L.Trainer) -> None:
+    """On a rank Lightning's launcher started, wait (up to a minute) for the launching process to
+    exit first: when every rank stops together (a signal, a non-finite loss), its observer would
+    otherwise take this rank's exit for a crash and kill it before it printed why."""
+    if trainer.local_rank > 0 and _started_by_lightning(trainer):
+        parent, deadline = os.getppid(), time.monotonic() + 60
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _distributed(trainer: L.Trainer) -> bool:
+    return trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+# --------------------------------------------------------------------------------------------
+# Lost ranks
+# --------------------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """A process of this host that exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class PeerWatchdog(threading.Thread):
+    """Heartbeats of the ranks of a process group, through its rendezvous store (see the module
+    docstring). Each rank watches the next one (ring) and all read one shared "lost" record, so the
+    store sees three small operations per rank and interval, whatever the world size."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        interval: float = 1.0,
+        timeout: float = 120.0,
+        grace: float = 10.0,
+        exit_code: int = 1,
+    ) -> None:
+        super().__init__(name="dit-lightning-peer-watchdog", daemon=True)
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.interval, self.timeout, self.grace, self.exit_code = interval, timeout, grace, exit_code
+        self.host = socket.gethostname()
+        self.lost: Optional[str] = None
+        self._stop_event = threading.Event()
+        self._peers: dict[int, tuple[int, str]] = {}
+        self._beats = 0
+
+    # -- store helpers (non-blocking: add(key, 0) reads a counter, check() tests a key) --------
+    def _info(self, rank: int) -> Optional[tuple[int, str]]:
+        if rank not in self._peers:
+            key = f"info/{rank}"
+            if not self.store.check([key]):
+                return None
+            pid, _, host = self.store.get(key).decode().partition("@")
+            self._peers[rank] = (int(pid), host)
+        return self._peers[rank]
+
+    def describe(self, rank: int) -> str:
+        info = self._peers.get(rank)
+        return f"rank {rank}" + (f" (pid {info[0]} on {info[1]})" if info else "")
+
+    def _gone_locally(self, rank: int) -> bool:
+        info = self._info(rank)
+        return info is not None and info[1] == self.host and not _alive(info[0])
+
+    def publish(self) -> None:
+        self.store.set(f"info/{self.rank}", f"{os.getpid()}@{self.host}")
+
+    def run(self) -> None:
+        watched = (self.rank + 1) % self.world_size
+        last_value, last_change = -1, time.monotonic()
+        store_failed_since: Optional[float] = None
+        try:
+            self.publish()
+        except Exception:
+            return  # no usable store: nothing to watch with
+        while not self._stop_event.wait(self.interval):
+            now = time.monotonic()
+            try:
+                self._beats += 1
+                self.store.add(f"beat/{self.rank}", 1)
+                if self.store.add("lost/flag", 0):
+                    self._report(self.store.get("lost/message").decode(), announce=False)
+                    return
+                value = int(self.store.add(f"beat/{watched}", 0))
+                if value != last_value:
+                    last_value, last_change = value, now
+                if self._gone_locally(watched):
+                    self._report(f"{self.describe(watched)} exited (killed or crashed)")
+                    return
+                if now - last_change > self.timeout:
+                    self._report(f"{self.describe(watched)} sent no heartbeat for {now - last_change:.0f} s")
+                    return
+                store_failed_since = None
+            except Exception as e:
+                store_failed_since = store_failed_since or now
+                if now - store_failed_since > min(self.timeout, 30.0):
+                    self._report(f"the rendezvous store (hosted by rank 0 or the launcher) stopped answering ({e})")
+                    return
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def _report(self, what: str, announce: bool = True) -> None:
+        if self.lost is not None:
+            return
+        self.lost = what
+        if announce:
+            with contextlib.suppress(Exception):
+                self.store.set("lost/message", what)
+                self.store.add("lost/flag", 1)
+        print(
+            f"[rank {self.rank}] dit-lightning: lost {what}; stopping this rank too. Resume every rank from the last "
+            "checkpoint (--ckpt_path last).",
+            file=sys.stderr,
+            flush=True,
+        )
+        # The main thread may be blocked in a collective that never returns (NCCL, a frozen peer):
+        # give it a moment to fail by itself, then leave.
+        if not self._stop_event.wait(self.grace):
+            os._exit(self.exit_code)
+
+    def diagnose(self, wait: Optional[float] = None) -> Optional[str]:
+        """Which rank is gone, asked after a collective failed: the shared record, processes of this
+        host that exited, or counters that stopped (watched for ``wait`` seconds)."""
+        if self.lost is not None:
+            return self.lost
+        wait = 3 * self.interval + 1 if wait is None else wait
+        try:
+            if self.store.add("lost/flag", 0):
+                return self.store.get("lost/message").decode()
+            peers = [r for r in range(self.world_size) if r != self.rank]
+            for r in peers:
+                if self._gone_locally(r):
+                    return f"{self.describe(r)} exited (killed or crashed)"
+            before = {r: int(self.store.add(f"beat/{r}", 0)) for r in peers}
+            time.sleep(wait)
+            stalled = [r for r in peers if int(self.store.add(f"beat/{r}", 0)) == before[r]]
+            for r in peers:
+                if self._gone_locally(r):
+                    return f"{self.describe(r)} exited (killed or crashed)"
+            if stalled:
+                return ", ".join(self.describe(r) for r in stalled) + " stopped sending heartbeats"
+        except Exception:
+            return "rank 0 (it hosts the rendezvous store, which no longer answers: its process is gone)"
+        return None
+
+
+def _watchdog_store(prefix: str) -> Any:
+    from torch.distributed import PrefixStore
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"dit_lightning/peers/{attempt}/{prefix}/", _get_default_store())
+
+
+_COMMUNICATION_ERRORS = ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL", "timed out", "Timeout")
+
+
+# --------------------------------------------------------------------------------------------
+# The callback
+# --------------------------------------------------------------------------------------------
+
+
+class FaultTolerance(L.Callback):
+    """Checkpoint on SIGTERM / SIGINT / SIGUSR1, stop on non-finite losses, never save non-finite
+    weights, check every output location before work, and name a lost rank (module docstring).
+
+    Args:
+        signals: checkpoint and exit (128 + signal) on SIGTERM, SIGINT and SIGUSR1.
+        nonfinite_patience: consecutive optimiser steps with a NaN / inf loss tolerated before the
+            run stops (0: stop at the first; mixed precision with a loss scaler may want a few).
+        check_outputs: create and try every output directory before the first step.
+        peer_timeout: seconds without a heartbeat after which a rank counts as lost.
+        heartbeat_interval: seconds between heartbeats (multi-process runs only; 0: no watchdog).
+    """
+
+    def __init__(
+        self,
+        signals: bool = True,
+        nonfinite_patience: int = 0,
+        check_outputs: bool = True,
+        peer_timeout: float = 120.0,
+        heartbeat_interval: float = 1.0,
+    ) -> None:
+        if nonfinite_patience < 0:
+            raise ValueError(f"nonfinite_patience must be >= 0, got {nonfinite_patience}")
+        if peer_timeout <= 0 or heartbeat_interval < 0:
+            raise ValueError("peer_timeout must be > 0 and heartbeat_interval >= 0")
+        self.signals = signals
+        self.nonfinite_patience = nonfinite_patience
+        self.check_outputs = check_outputs
+        self.peer_timeout = peer_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self._signum: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+        self._installed: dict[int, Any] = {}
+        self._nonfinite_local = False
+        self._nonfinite_steps = 0
+        self._first_nonfinite_step: Optional[int] = None
+        self._watchdog: Optional[PeerWatchdog] = None
+        self._checked: set[str] = set()
+        self._generation = 0
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._checked.clear()
+        self._nonfinite_steps, self._first_nonfinite_step, self._nonfinite_local = 0, None, False
+        self._generation += 1
+        if _distributed(trainer) and self.heartbeat_interval > 0 and self._watchdog is None:
+            store = None
+            with contextlib.suppress(Exception):  # a process group without a store: no watchdog
+                store = _watchdog_store(f"{stage}-{self._generation}")
+            if store is not None:
+                self._watchdog = PeerWatchdog(
+                    store,
+                    trainer.global_rank,
+                    trainer.world_size,
+                    interval=self.heartbeat_interval,
+                    timeout=self.peer_timeout,
+                )
+                self._watchdog.start()
+        self._adopt_process_observer(trainer)
+
+    def _adopt_process_observer(self, trainer: L.Trainer) -> None:
+        """Lightning's launcher watches the ranks it started and, when one dies, kills them all and
+        itself with SIGKILL, printing only a PID at info level: make it name the rank first."""
+        procs = list(getattr(trainer.strategy.launcher, "procs", None) or [])
+        observer = next((t for t in threading.enumerate() if t.name == "child-process-observer"), None)
+        if not procs or observer is None or not hasattr(observer, "_terminate_all"):
+            return
+        first = trainer.node_rank * len([None, *procs])  # the global rank of this node's local rank 0
+
+        def name_then_terminate() -> None:
+            for local, proc in enumerate(procs, start=1):
+                if proc.returncode:
+                    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+                    what = f"rank {first + local} (pid {proc.pid} on {socket.gethostname()}) exited ({how})"
+                    if self._watchdog is None or self._watchdog.lost is None:
+                        print(
+                            f"[rank {trainer.global_rank}] dit-lightning: lost {what} at step {trainer.global_step}; "
+                            f"every rank stops. Resume all of them from the last checkpoint: --ckpt_path last "
+                            f"({self._last_good(trainer)}).",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    break
+            for proc in procs:
+                with contextlib.suppress(Exception):
+                    proc.kill()
+            os._exit(1)  # as Lightning does (the main thread may be stuck in a collective), with status 1
+
+        observer._terminate_all = name_then_terminate
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        self._restore_handlers()
+
+    # ---- outputs ---------------------------------------------------------------------------
+    def output_locations(self, trainer: L.Trainer, stage: str) -> list[tuple[Path, str, str]]:
+        """Every directory the run writes in ``stage``: (directory, what, the option that sets it)."""
+        found: list[tuple[Path, str, str]] = []
+        if stage == "fit":
+            for cb in trainer.checkpoint_callbacks:
+                if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+                    found.append((Path(cb.dirpath), "checkpoint directory", "--checkpoint.dirpath"))
+        for logger in trainer.loggers:
+            where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+            if where and "://" not in str(where):
+                found.append((Path(where), f"log directory of {type(logger).__name__}", "--trainer.logger.save_dir"))
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            locate = getattr(cb, "output_locations", None)
+            if callable(locate) and cb is not self:
+                found.extend(locate(trainer, stage))
+        return found
+
+    def _check_outputs(self, trainer: L.Trainer, stage: str) -> None:
+        if not self.check_outputs or stage in self._checked:
+            return
+        self._checked.add(stage)
+        problem: Optional[str] = None
+        if trainer.is_global_zero:
+            for directory, what, option in self.output_locations(trainer, stage):
+                try:
+                    check_writable(directory, what, f"Set {option} to a writable location.")
+                except OSError as e:
+                    problem = f"{e} (checked before the run started: nothing was lost)"
+                    break
+        ok = problem is None
+        if trainer.world_size > 1:
+            ok = trainer.strategy.reduce_boolean_decision(ok, all=True)
+        if problem is not None:
+            raise OutputNotWritableError(problem)
+        if not ok:
+            raise OutputNotWritableError("rank 0 found an output location it cannot write (see its message)")
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_outputs(trainer, "fit")
+        self._check_learning_rates(trainer)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._check_outputs(trainer, "validate")
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_outputs(trainer, "test")
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_outputs(trainer, "predict")
+
+    @staticmethod
+    def _check_learning_rates(trainer: L.Trainer) -> None:
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                lr = group.get("initial_lr", group.get("lr"))
+                if isinstance(lr, (int, float)) and lr == 0 and any(p.requires_grad for p in group["params"]):
+                    rank_zero_warn(
+                        f"the learning rate of {type(optimizer).__name__} is 0: training computes losses but never "
+                        "changes the weights. Set --model.optimizer.lr (e.g. 1e-4, the paper's) unless that is meant."
+                    )
+                    return
+
+    # ---- signals ---------------------------------------------------------------------------
+    def _handled_signals(self, trainer: L.Trainer) -> list[int]:
+        env = trainer._accelerator_connector.cluster_environment
+        slurm_requeue = isinstance(env, SLURMEnvironment) and env.auto_requeue
+        return [s for s in _SIGNALS if not (s == signal.SIGUSR1 and slurm_requeue)]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After Lightning registered its own handlers (which would end the run without a checkpoint).
+        if not self.signals or threading.current_thread() is not threading.main_thread():
+            return
+        self._signum = None
+        for signum in self._handled_signals(trainer):
+            self._previous[signum] = signal.getsignal(signum)
+            handler = self._make_handler(trainer)
+            signal.signal(signum, handler)
+            self._installed[signum] = handler
+
+    def _make_handler(self, trainer: L.Trainer) -> Any:
+        def handler(signum: int, frame: Optional[FrameType]) -> None:
+            if self._signum is not None:  # the second signal: stop now (writes in flight are atomic)
+                self._restore_handlers()
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                os.kill(os.getpid(), signum)
+                return
+            self._signum = signum
+            message = (
+                f"[rank {trainer.global_rank}] dit-lightning: {_SIGNALS.get(signum, signum)} received: finishing the "
+                "current step, then saving last.ckpt (send it again to stop at once)\n"
+            )
+            with contextlib.suppress(OSError):
+                os.write(2, message.encode())  # not print(): a handler may interrupt a print in progress
+            for proc in getattr(trainer.strategy.launcher, "procs", []) or []:  # the ranks this process started
+                with contextlib.suppress(Exception):
+                    proc.send_signal(signum)
+
+        return handler
+
+    def _restore_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._installed.items():
+            if signal.getsignal(signum) is handler:
+                signal.signal(signum, self._previous.get(signum) or signal.SIG_DFL)
+        self._installed.clear()
+
+    # ---- every optimiser step --------------------------------------------------------------
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if torch.is_tensor(loss) and not bool(torch.isfinite(loss.detach()).all()):
+            self._nonfinite_local = True
+        if not _is_step_end(trainer):
+            return
+        flags = torch.tensor(
+            [float(self._signum or 0), float(self._nonfinite_local)], device=trainer.strategy.root_device
+        )
+        if _distributed(trainer):  # every rank decides the same, or a collective would hang
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        signum, nonfinite = int(flags[0].item()), bool(flags[1].item())
+        self._nonfinite_local = False
+        if nonfinite:
+            self._nonfinite_steps += 1
+            if self._first_nonfinite_step is None:
+                self._first_nonfinite_step = trainer.global_step
+            if self._nonfinite_steps > self.nonfinite_patience:
+                raise NonFiniteLossError(self._nonfinite_message(trainer))
+        else:
+            self._nonfinite_steps, self._first_nonfinite_step = 0, None
+        if signum:
+            self._save_and_exit(trainer, signum)
+
+    def _last_good(self, trainer: L.Trainer) -> str:
+        cb = trainer.checkpoint_callback
+        path = getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
+        if path and os.path.exists(path):
+            with contextlib.suppress(Exception):
+                meta = os.path.join(path, "meta.pt") if os.path.isdir(path) else path  # sharded: its metadata
+                step = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get("global_step")
+                return f"the last checkpoint, {path} (step {step}), was written before and is kept"
+            return f"the last checkpoint, {path}, was written before and is kept"
+        return "no checkpoint was written"
+
+    def _nonfinite_message(self, trainer: L.Trainer) -> str:
+        steps = self._nonfinite_steps
+        lr = [g.get("lr") for o in trainer.optimizers for g in o.param_groups][:1]
+        return (
+            f"the training loss is NaN or inf at step {trainer.global_step}"
+            + (f" ({steps} steps in a row, since step {self._first_nonfinite_step})" if steps > 1 else "")
+            + f": training stopped; {self._last_good(trainer)}. Usual causes: non-finite values in the store "
+            "(check it with `dit-lightning verify --path <data.path>`), a learning rate too high "
+            f"(now {lr[0] if lr else '?'}), or fp16 overflow (bf16-mixed or 32-true avoid it). To tolerate a few such "
+            "steps, set --fault_tolerance.nonfinite_patience N."
+        )
+
+    def _save_and_exit(self, trainer: L.Trainer, signum: int) -> None:
+        name = _SIGNALS.get(signum, f"signal {signum}")
+        cb = trainer.checkpoint_callback
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+            if cb.save_last:
+                cb._save_last_checkpoint(trainer, cb._monitor_candidates(trainer))
+                path = cb.last_model_path
+            else:
+                path = os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+                trainer.save_checkpoint(path)
+            refresh = getattr(cb, "_refresh_link", None)
+            if callable(refresh):
+                refresh(trainer)
+            done = f"saved {path} (step {trainer.global_step}); resume with --ckpt_path last or --ckpt_path {path}"
+        else:
+            done = "checkpointing is off (--trainer.enable_checkpointing false): nothing was saved"
+        code = 128 + int(signum)
+        if trainer.is_global_zero:
+            print(f"dit-lightning fit: stopped by {name} after step {trainer.global_step}: {done}.", flush=True)
+        self._restore_handlers()
+        _leave_after_the_launcher(trainer)
+        raise SignalExit(code)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        finite = True
+        for p in pl_module.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p  # DTensor shards under FSDP2
+            if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
+                finite = False
+                break
+        if trainer.world_size > 1 and is_sharded(pl_module):  # shards differ; DDP replicas are equal
+            finite = trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
+            raise NonFiniteWeightsError(
+                f"the weights hold NaN or inf at step {trainer.global_step}: no checkpoint was written from them "
+                f"({self._last_good(trainer)}). The run diverged: check the store with `dit-lightning verify`, "
+                "lower the learning rate, or avoid fp16."
+            )
+
+    # ---- a rank lost -----------------------------------------------------------------------
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, (NonFiniteLossError, NonFiniteWeightsError, OutputNotWritableError)):
+            _leave_after_the_launcher(trainer)  # raised on every rank together: rank 0 reports it
+            return
+        watchdog = self._watchdog
+        if watchdog is None or isinstance(exception, (SystemExit, KeyboardInterrupt)):
+            return
+        text = f"{type(exception).__name__}: {exception}"
+        if not any(marker in text for marker in _COMMUNICATION_ERRORS):
+            return
+        watchdog.stop()  # from here on this rank explains and exits; no forced exit meanwhile
+        lost = watchdog.diagnose()
+        if lost is None:
+            return
+        note = (
+            f"rank {trainer.global_rank} lost {lost} at step {trainer.global_step}; every rank stops. "
+            f"Resume all of them from the last checkpoint: --ckpt_path last ({self._last_good(trainer)})."
+        )
+        notes = list(getattr(exception, "__notes__", []) or [])
+        with contextlib.suppress(Exception):
+            exception.__notes__ = [*notes, note]  # type: ignore[attr-defined]
+        print(f"[rank {trainer.global_rank}] dit-lightning: {note}", file=sys.stderr, flush=True)
