@@ -68,7 +68,9 @@ class DiTModule(L.LightningModule):
         seed: key of the per-sample timesteps, noise and label dropout.
         init_from: start from a checkpoint (released raw state dict, reference format or
             Lightning); weights only, strict, with a clear error for another architecture.
-        sample_steps, sampler, cfg_scale, guide_channels: defaults for :meth:`sample`.
+            Also a diffusers DiT directory or a ``.safetensors`` file (docs/diffusers.md).
+        sample_steps, sampler, cfg_scale, guide_channels: defaults for :meth:`sample`; the
+            sampler is ``ddpm``/``ddim`` or a diffusers scheduler (``dpm++2m``, ``unipc``...).
         vae: the VAE that decodes latents to images ("none/pixels" for pixel-space stores);
             linked from the data module.
     """

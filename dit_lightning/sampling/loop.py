@@ -132,10 +132,9 @@ def sample_latents(
         raise ValueError(f"{n} labels but indices of shape {tuple(idx.shape)}")
     shape = (net.in_channels, net.input_size, net.input_size)
     check_sampler(sampler)
-    diffusers = is_diffusers_sampler(sampler)
     diffusion = (
         None
-        if diffusers
+        if is_diffusers_sampler(sampler)  # a diffusers scheduler, built in sample_with_scheduler
         else build_sampling_diffusion(sampler, num_steps, noise_schedule, diffusion_steps, net.learn_sigma)
     )
     fn = model_fn or guided_model_fn(net, cfg_scale, guide_channels, precision)

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from dit_lightning.checkpoints import (
     NotExpressibleError,
     PixelDecoder,
+    diffusers_transformer_config,
     export_report,
     from_diffusers_state_dict,
     load_dit,
@@ -23,7 +24,8 @@ from dit_lightning.checkpoints import (
     to_diffusers_state_dict,
     use_reference_timestep_embedding,
 )
-from dit_lightning.models import DiT
+from dit_lightning.models import DiT, build_dit, model_config
+from dit_lightning.models.dit import DIT_CONFIGS
 from dit_lightning.models.pruning import prune_depth, prune_heads, prune_mlp
 from dit_lightning.module import DiTModule
 from dit_lightning.sampling import build_scheduler, sample_latents
@@ -92,6 +94,18 @@ def test_the_name_rule_covers_every_parameter_of_both_networks_and_is_strict():
     diverged[name] = mapped[name] + 1e-3
     with pytest.raises(ValueError, match="own timestep/label embedders"):
         from_diffusers_state_dict(diverged, 4)
+
+
+@pytest.mark.parametrize("name", sorted(DIT_CONFIGS))
+def test_every_named_dit_maps_onto_diffusers_shapes(name):
+    """All twelve sizes (S/B/L/XL x patch 2/4/8) at 256 and 512 px, on the meta device: the
+    mapped state dict has exactly the names and shapes of diffusers' model of that config."""
+    for latent in (32, 64):
+        with torch.device("meta"):
+            net = build_dit(name, input_size=latent)
+            theirs = DiTTransformer2DModel(**diffusers_transformer_config(model_config(net)))
+        mapped = to_diffusers_state_dict(net.state_dict())
+        assert {k: v.shape for k, v in mapped.items()} == {k: v.shape for k, v in theirs.state_dict().items()}
 
 
 # ---------------------------------------------------------------------------------------

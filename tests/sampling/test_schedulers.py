@@ -7,6 +7,7 @@ import torch
 from diffusers import DDPMScheduler, DPMSolverMultistepScheduler
 
 from dit_lightning.diffusion import get_named_beta_schedule
+from dit_lightning.images import make_grid_image
 from dit_lightning.sampling import (
     DIFFUSERS_SAMPLERS,
     build_scheduler,
@@ -127,6 +128,16 @@ def test_module_sample_and_the_guided_model_take_the_new_samplers():
     a = module.sample([1, 2], seed=2)
     b = sample_latents(module.ema, [1, 2], sampler="unipc", num_steps=5, seed=2, clip_denoised=True)
     torch.testing.assert_close(a, b)
+    # the sample-grid callback passes its sampler through DiTModule.sample
+    from types import SimpleNamespace
+
+    from dit_lightning.callbacks import SampleGrid
+
+    trainer = SimpleNamespace(is_global_zero=True, loggers=[], global_step=0)
+    grid = SampleGrid(classes=[1, 2], per_class=2, num_steps=3, sampler="euler-a").render(trainer, module)
+    expect = make_grid_image(module.decode(module.sample([1, 1, 2, 2], num_steps=3, sampler="euler-a")), nrow=2)
+    assert torch.equal(grid, expect)
+    assert not torch.equal(grid, make_grid_image(module.decode(module.sample([1, 1, 2, 2], num_steps=3)), nrow=2))
     # Euler's timesteps are fractional: the DiT embeds them like integer ones
     out = guided_model_fn(module.ema, 2.0)(torch.zeros(1, 1, 8, 8), torch.tensor([3.5]), torch.tensor([1]))
     assert out.shape == (1, 2, 8, 8) and torch.isfinite(out).all()
