@@ -9,7 +9,7 @@ short fine-tune: the diffusion loss on the held-out digits at fixed timesteps an
 the digits accuracy (an SVC trained on real digits classifies generated ones,
 ``dit_lightning.evaluation.digits``).
 
-    python benchmarks/bench_shrink.py                         # uses outputs/demo/checkpoints/last.ckpt
+    python benchmarks/bench_shrink.py                         # uses outputs/demo/last.ckpt
     python benchmarks/bench_shrink.py --teacher path/to.ckpt --finetune-steps 300
 
 Without the demo checkpoint it trains a teacher itself (the demo's configuration,
@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO_CKPT = os.path.join(REPO, "outputs", "demo", "checkpoints", "last.ckpt")
+DEMO_CKPT = os.path.join(REPO, "outputs", "demo", "last.ckpt")
 # The demo's model (configs/demo.yaml) and recipe.
 DEMO: dict[str, Any] = dict(
     model="custom", depth=6, hidden_size=128, num_heads=4, patch_size=2, ema_decay=0.999, ema_warmup=True, cfg_scale=2.0

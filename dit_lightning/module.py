@@ -93,8 +93,10 @@ class DiTModule(L.LightningModule):
         seed: key of the per-sample timesteps, noise and label dropout.
         init_from: start from a checkpoint (released raw state dict, reference format or
             Lightning); weights only, strict, with a clear error for another architecture.
+            Also a diffusers DiT directory or a ``.safetensors`` file (docs/diffusers.md).
         sample_steps: default sampling steps of :meth:`sample` (and of the tools reading the checkpoint).
-        sampler: default sampler of :meth:`sample`: "ddpm" or "ddim".
+        sampler: default sampler of :meth:`sample`: "ddpm", "ddim" or a diffusers scheduler
+            ("dpm++2m", "unipc", ...; docs/sampling.md).
         cfg_scale: default classifier-free guidance scale of :meth:`sample` (1: none).
         guide_channels: guide only the first N epsilon channels (3: the reference's variant).
         vae: the VAE that decodes latents to images ("none/pixels" for pixel-space stores);

@@ -1,5 +1,6 @@
-"""DiT checkpoints in one place: read every format (raw, reference, Lightning, sharded), tell the
-architecture by one rule, load strictly, save atomically, export and consolidate.
+"""DiT checkpoints in one place: read every format (raw, reference, Lightning, sharded, diffusers,
+safetensors), tell the architecture by one rule, load strictly, save atomically, export and
+consolidate.
 
 Pure PyTorch: the Lightning side (atomic ``CheckpointIO``, resuming) lives in
 :mod:`dit_lightning.plugins` and :class:`~dit_lightning.module.DiTModule`.
@@ -13,6 +14,20 @@ from .architecture import (
     infer_dit_config,
     load_dit,
     load_dit_weights,
+    recorded_vae,
+)
+from .diffusers_export import export_diffusers, export_safetensors
+from .diffusers_format import (
+    NotExpressibleError,
+    PixelDecoder,
+    diffusers_transformer_config,
+    dit_config_from_diffusers,
+    from_diffusers_state_dict,
+    inexpressible,
+    is_diffusers_checkpoint,
+    name_table,
+    to_diffusers_state_dict,
+    use_reference_timestep_embedding,
 )
 from .export import ExportFormat, export_checkpoint, save_dit, to_reference_format
 from .formats import DiTCheckpoint, StateDict, Weights, clean_state_dict, read_checkpoint, strip_prefix
@@ -22,21 +37,34 @@ __all__ = [
     "DiTCheckpoint",
     "ExportFormat",
     "LoadedDiT",
+    "NotExpressibleError",
+    "PixelDecoder",
     "StateDict",
     "Weights",
     "check_dit_weights",
     "clean_state_dict",
     "describe",
+    "diffusers_transformer_config",
+    "dit_config_from_diffusers",
     "dit_config_of",
     "export_checkpoint",
+    "export_diffusers",
+    "export_safetensors",
+    "from_diffusers_state_dict",
+    "inexpressible",
     "infer_dit_config",
+    "is_diffusers_checkpoint",
     "is_sharded_checkpoint",
     "load_dit",
     "load_dit_weights",
     "load_sharded_checkpoint",
+    "name_table",
     "optimizer_by_index",
     "read_checkpoint",
+    "recorded_vae",
     "save_dit",
     "strip_prefix",
+    "to_diffusers_state_dict",
     "to_reference_format",
+    "use_reference_timestep_embedding",
 ]

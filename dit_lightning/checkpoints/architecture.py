@@ -165,6 +165,14 @@ def load_dit_weights(model: nn.Module, sd: StateDict, source: str = "checkpoint"
     model.load_state_dict(clean_state_dict(sd), strict=True)
 
 
+def recorded_vae(args: dict[str, Any]) -> Optional[str]:
+    """The VAE a checkpoint's settings name, the reference script's ``--vae ema|mse`` spelled out."""
+    vae = args.get("vae")
+    if not isinstance(vae, str) or not vae:
+        return None
+    return f"stabilityai/sd-vae-ft-{vae}" if vae in ("ema", "mse") else vae
+
+
 @dataclass
 class LoadedDiT:
     """A DiT rebuilt from a checkpoint, in eval mode, and what the checkpoint says about it."""
@@ -194,10 +202,7 @@ class LoadedDiT:
     @property
     def vae(self) -> Optional[str]:
         """The VAE the run decoded with; the reference script's ``--vae ema|mse`` spelled out."""
-        vae = self.args.get("vae")
-        if not isinstance(vae, str) or not vae:
-            return None
-        return f"stabilityai/sd-vae-ft-{vae}" if vae in ("ema", "mse") else vae
+        return recorded_vae(self.args)
 
     @property
     def scale_factor(self) -> Optional[float]:
@@ -228,6 +233,7 @@ def load_dit(
     use_ema = weights == "ema" and ckpt.ema is not None
     sd = ckpt.weights("ema" if use_ema else "model")
     cfg, notes = dit_config_of(ckpt, sd, num_heads=num_heads)
+    notes = [*ckpt.meta.get("notes", []), *notes]  # what reading the file noticed (diffusers configs)
     if weights == "ema" and not use_ema:
         notes.append(f"'{ckpt.path}' has no EMA weights; using the raw weights")
     net = build_from_config(cfg, device=device, empty=True)

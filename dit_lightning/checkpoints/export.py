@@ -1,4 +1,6 @@
-"""Writing DiT weights in the reference formats: ``{model, ema, opt, args}`` and raw state dicts.
+"""Writing DiT weights in the reference formats: ``{model, ema, opt, args}`` and raw state dicts;
+and (through :mod:`.diffusers_export`) as a diffusers ``DiTPipeline`` directory or a
+weights-only ``.safetensors`` file.
 
 Every file written here records the full architecture under ``args["model_config"]`` (read back
 by :func:`~dit_lightning.checkpoints.architecture.dit_config_of`), and is written atomically.
@@ -12,10 +14,12 @@ from typing import Any, Literal, Optional, Union
 from ..atomic import save_torch
 from ..models.config import model_config
 from ..models.dit import DiT
+from ..sampling.schedulers import DiffusersSampler
 from .architecture import dit_config_of
-from .formats import StateDict, read_checkpoint
+from .diffusers_export import export_diffusers, export_safetensors
+from .formats import StateDict, Weights, read_checkpoint
 
-ExportFormat = Literal["reference", "raw"]
+ExportFormat = Literal["reference", "raw", "diffusers", "safetensors"]
 _PLAIN = (int, float, str, bool, list, tuple, dict, type(None))
 
 
@@ -47,30 +51,48 @@ def save_dit(
 
 
 def export_checkpoint(
-    checkpoint: str, output: str, format: ExportFormat = "reference", include_optimizer: bool = True
-) -> str:
-    """Export any supported checkpoint (a sharded directory included) for the reference scripts.
+    checkpoint: str,
+    output: str,
+    format: ExportFormat = "reference",
+    include_optimizer: bool = True,
+    weights: Weights = "ema",
+    scheduler: DiffusersSampler = "dpm++2m",
+    store: Optional[str] = None,
+    vae: Optional[str] = None,
+) -> dict[str, Any]:
+    """Export any supported checkpoint (a sharded directory or a diffusers DiT included).
 
     ``reference`` writes ``{model, ema, opt, args}`` (EMA weights under ``ema``, the optimiser
     state keyed by parameter position, the architecture in ``args["model_config"]``, the step
-    and epoch of a Lightning checkpoint); ``raw`` the EMA state dict alone, like the released
-    ``DiT-XL-2-256x256.pt``. Written atomically; a sharded directory is merged next to ``output``.
+    and epoch of a Lightning checkpoint); ``raw`` one state dict alone, like the released
+    ``DiT-XL-2-256x256.pt``; ``safetensors`` one state dict as a ``.safetensors`` file with the
+    settings in its metadata; ``diffusers`` a ``DiTPipeline`` directory (see
+    :func:`~.diffusers_export.export_diffusers`: ``scheduler``, ``store``, ``vae``). ``weights``:
+    which set the single-set formats hold, ``ema`` (default; the trained weights when there is
+    no EMA) or ``raw``. Written atomically; a sharded directory is merged next to ``output``.
+    Returns what was written (``output``, ``format``, and ``notes`` for the user).
     """
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     ckpt = read_checkpoint(checkpoint, tmp_dir=out.parent)
-    ema_sd = ckpt.weights("ema")
+    if format == "diffusers":
+        return {"format": format, **export_diffusers(ckpt, out, weights, scheduler=scheduler, store=store, vae=vae)}
+    if format == "safetensors":
+        return {"format": format, **export_safetensors(ckpt, out, weights)}
+    chosen = ckpt.weights("ema" if weights == "ema" else "model")
     obj: dict[str, Any]
     cfg, _ = dit_config_of(ckpt)
     args = {k: v for k, v in {**ckpt.args, "model_config": cfg}.items() if isinstance(v, _PLAIN)}
     args.update({k: ckpt.meta[k] for k in ("epoch", "global_step") if isinstance(ckpt.meta.get(k), int)})
     if format == "raw":
-        obj = _cpu(ema_sd)
+        obj = _cpu(chosen)
     else:
-        obj = to_reference_format(ckpt.model, ema_sd, args=args, opt=ckpt.optimizer if include_optimizer else None)
+        obj = to_reference_format(
+            ckpt.model, ckpt.weights("ema"), args=args, opt=ckpt.optimizer if include_optimizer else None
+        )
     save_torch(obj, out)
     if format == "raw":  # a bare state dict has no room for the architecture: record it beside the file
         from .sidecar import write_sidecar
 
         write_sidecar(out, args)
-    return str(out)
+    return {"output": str(out), "format": format, "notes": []}

@@ -6,7 +6,11 @@
 - Lightning checkpoints of :class:`~dit_lightning.module.DiTModule` (``state_dict`` with
   ``model.`` and ``ema.`` prefixes, ``hyper_parameters``);
 - sharded Lightning checkpoint directories (``torch.distributed.checkpoint``, written by the
-  FSDP strategies), merged in one process (:mod:`.sharded`).
+  FSDP strategies), merged in one process (:mod:`.sharded`);
+- diffusers' DiT: a ``DiTPipeline`` directory or its ``transformer/`` folder, names mapped by
+  the one rule of :mod:`.diffusers_format` (weights: safetensors, or ``.bin`` read weights-only);
+- ``.safetensors`` files: ``export --format safetensors`` (the settings in its metadata), raw
+  state dicts, or a diffusers transformer's weights file next to its ``config.json``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from torch import Tensor
 
 StateDict = dict[str, Tensor]
-Format = Literal["raw", "reference", "lightning", "sharded"]
+Format = Literal["raw", "reference", "lightning", "sharded", "diffusers", "safetensors"]
 Weights = Literal["ema", "raw"]
 
 # Prefixes wrappers add to parameter names: torch.compile's and DDP's.
@@ -93,23 +97,39 @@ def _from_lightning(path: str, ckpt: dict[str, Any], fmt: Format) -> DiTCheckpoi
     hp = ckpt.get("hyper_parameters")
     states = ckpt.get("optimizer_states") or []
     meta: dict[str, Any] = {k: ckpt[k] for k in ("epoch", "global_step", "pytorch-lightning_version") if k in ckpt}
+    data = ckpt.get("datamodule_hyper_parameters")
+    if isinstance(data, dict):  # the store the run trained on (export reads its class names)
+        meta["datamodule"] = dict(data)
     return DiTCheckpoint(
         path, fmt, model, ema or None, dict(hp) if isinstance(hp, dict) else {}, states[0] if states else None, meta
     )
 
 
 def read_checkpoint(path: Union[str, Path], tmp_dir: Optional[Union[str, Path]] = None) -> DiTCheckpoint:
-    """Load any supported checkpoint file or sharded checkpoint directory.
+    """Load any supported checkpoint file, sharded checkpoint directory or diffusers DiT.
 
     ``tmp_dir``: where a sharded directory is merged through a temporary file (default: next to it).
     """
+    from .diffusers_format import is_diffusers_checkpoint, is_safetensors_file, read_diffusers, read_safetensors
     from .sharded import is_sharded_checkpoint, load_sharded_checkpoint
 
     path = Path(path)
     if is_sharded_checkpoint(path):
         return _from_lightning(str(path), load_sharded_checkpoint(path, tmp_dir=tmp_dir), "sharded")
+    if is_diffusers_checkpoint(path):
+        weights, recorded, meta = read_diffusers(path)
+        return DiTCheckpoint(str(path), "diffusers", weights, weights, recorded, None, meta)
+    if path.is_dir():
+        raise ValueError(
+            f"'{path}' is a directory but no checkpoint: a sharded checkpoint has a .metadata file, a diffusers "
+            "DiT a model_index.json with transformer/config.json (or is that transformer folder)"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint '{path}' does not exist")
+    if is_safetensors_file(path):
+        weights, recorded, meta = read_safetensors(path)
+        weights = clean_state_dict(weights)
+        return DiTCheckpoint(str(path), "safetensors", weights, weights, recorded, None, meta)
     ckpt = _torch_load(path)
     if not isinstance(ckpt, dict):
         raise ValueError(f"checkpoint '{path}' holds a {type(ckpt).__name__}, not a state dict")
@@ -131,10 +151,10 @@ def read_checkpoint(path: Union[str, Path], tmp_dir: Optional[Union[str, Path]] 
         from .sidecar import read_sidecar
 
         sd = clean_state_dict(ckpt)
-        recorded, note = read_sidecar(path)  # `export --format raw` records the architecture beside the file
+        sidecar, note = read_sidecar(path)  # `export --format raw` records the architecture beside the file
         if note:
             warnings.warn(note, stacklevel=2)
-        return DiTCheckpoint(str(path), "raw", sd, sd, recorded or {})
+        return DiTCheckpoint(str(path), "raw", sd, sd, sidecar or {})
     raise ValueError(
         f"checkpoint '{path}' is not a DiT checkpoint: expected a raw DiT state dict, "
         f"{{model, ema, opt, args}} or a Lightning checkpoint; found keys {sorted(ckpt)[:8]}"

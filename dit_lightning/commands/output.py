@@ -7,10 +7,10 @@ import os
 from ..atomic import check_writable
 
 
-def check_new_output(output: str, overwrite: bool) -> None:
-    """``output`` must not exist (unless ``overwrite``), must not be a directory, and its directory
-    must be writable; raises with the fix otherwise."""
-    if os.path.isdir(output):
+def check_new_output(output: str, overwrite: bool, directory: bool = False) -> None:
+    """``output`` must not exist (unless ``overwrite``), must be a file (a directory when
+    ``directory``), and its parent must be writable; raises with the fix otherwise."""
+    if os.path.isdir(output) and not directory:
         raise IsADirectoryError(f"--output {output} is a directory: give the path of the file to write")
     if os.path.exists(output) and not overwrite:
         raise FileExistsError(

@@ -132,16 +132,21 @@ def sample(
     """Sample images from a DiT checkpoint into ``output`` (PNGs, grid, ADM ``.npz``).
 
     Args:
-        checkpoint: Lightning ``.ckpt``, reference ``{model, ema, opt, args}`` or a raw state
-            dict like the released ``DiT-XL-2-256x256.pt``; no model config is needed.
+        checkpoint: Lightning ``.ckpt``, reference ``{model, ema, opt, args}``, a raw state
+            dict like the released ``DiT-XL-2-256x256.pt``, a diffusers DiT directory or a
+            ``.safetensors`` file; no model config is needed.
         output: directory; rerunning with the same settings resumes (existing PNGs are kept).
         num_samples: images to make (default: one per entry of an explicit label list).
         labels: "random" (keyed on seed and index), "all", "0-9", "1,5,7" or a list; an
             explicit list is cycled: sample i gets ``labels[i % len(labels)]``.
-        sampler: "ddpm" (ancestral, learned variance) or "ddim"; default: the Lightning
-            checkpoint's sampling settings, else DDPM.
-        num_steps: respaced sampling steps; default: the checkpoint's, else 250.
-        eta: DDIM noise (0 deterministic).
+        sampler: "ddpm" (ancestral, learned variance) or "ddim" (bit-exact with the
+            reference); or a diffusers scheduler with the model's betas: "dpm++2m",
+            "dpm++2m-karras", "dpm++2m-sde", "unipc", "deis", "euler", "euler-a",
+            "diffusers-ddim", "diffusers-ddpm". Default: the Lightning checkpoint's sampling
+            settings, else DDPM.
+        num_steps: respaced sampling steps (for the diffusers schedulers: network evaluations);
+            default: the checkpoint's, else 250.
+        eta: DDIM noise (0 deterministic; ddim and diffusers-ddim).
         cfg_scale: classifier-free guidance scale (1: none; the paper's best FID used 1.5).
         guide_channels: guide only the first N epsilon channels; 3 reproduces the reference
             implementation the published FIDs were computed with; default all (correct).
@@ -215,7 +220,7 @@ def sample(
             "num_samples": int(num_samples),
             "sampler": sampler,
             "num_steps": int(num_steps),
-            "eta": float(eta) if sampler == "ddim" else 0.0,
+            "eta": float(eta) if sampler in ("ddim", "diffusers-ddim") else 0.0,
             "cfg_scale": cfg_scale,
             "guide_channels": guide_channels,
             "seed": int(seed),

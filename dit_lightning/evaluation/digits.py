@@ -6,7 +6,7 @@ reported. Quality beyond recognisability is an FID-like number computed offline 
 the Fréchet distance between Gaussians fitted to real and generated digits, in the raw 64-d
 pixel space and in the SVC's 10-d decision-function space, next to the same distance between
 two disjoint sets of *real* digits of the same size (the finite-sample floor a perfect model
-would reach). ``dit-lightning test --config configs/demo.yaml --ckpt_path outputs/demo/checkpoints/last.ckpt``
+would reach). ``dit-lightning test --config configs/demo.yaml --ckpt_path outputs/demo/last.ckpt``
 reports them (``GenerationMetrics`` with ``metrics: [digits]``); ``dit-lightning evaluate --metrics
 '[digits]'`` measures a sample folder.
 """

@@ -1,5 +1,6 @@
 """The sampling layer: which class each sample gets (:mod:`.labels`) and the loop that turns keyed
-noise into latents with guidance, DDPM or DDIM (:mod:`.loop`). Pure PyTorch.
+noise into latents with guidance, DDPM or DDIM (:mod:`.loop`), or one of diffusers' multistep
+schedulers built from the model's betas (:mod:`.schedulers`). Pure PyTorch (+ diffusers).
 
 Decoding latents to images and writing files live in :mod:`dit_lightning.images`; loading a
 network from a checkpoint in :mod:`dit_lightning.checkpoints`; the ``sample`` command in
@@ -7,17 +8,32 @@ network from a checkpoint in :mod:`dit_lightning.checkpoints`; the ``sample`` co
 """
 
 from .labels import LabelPlan, LabelSpec, SampleRequests, parse_labels
-from .loop import Sampler, build_sampling_diffusion, guided_model_fn, initial_noise, sample_latents, step_noise
+from .loop import build_sampling_diffusion, guided_model_fn, initial_noise, sample_latents, step_noise
+from .schedulers import (
+    DIFFUSERS_SAMPLERS,
+    DiffusersSampler,
+    Sampler,
+    build_scheduler,
+    is_diffusers_sampler,
+    noise_schedule_of,
+    scheduler_config,
+)
 
 __all__ = [
+    "DIFFUSERS_SAMPLERS",
+    "DiffusersSampler",
     "LabelPlan",
     "LabelSpec",
     "SampleRequests",
     "Sampler",
     "build_sampling_diffusion",
+    "build_scheduler",
     "guided_model_fn",
     "initial_noise",
+    "is_diffusers_sampler",
+    "noise_schedule_of",
     "parse_labels",
     "sample_latents",
+    "scheduler_config",
     "step_noise",
 ]

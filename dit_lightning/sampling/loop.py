@@ -1,4 +1,5 @@
-"""The sampling loop: noise, classifier-free guidance, DDPM / DDIM steps. Nothing else.
+"""The sampling loop: noise, classifier-free guidance, DDPM / DDIM steps (or a diffusers
+scheduler's, :mod:`.schedulers`). Nothing else.
 
 Every random number of sample ``i`` (its initial noise, the noise of every DDPM / DDIM step) is
 a pure function of ``(seed, i, step)`` drawn with :mod:`dit_lightning.keyed_random`, not of a
@@ -10,7 +11,7 @@ show). The module, the callbacks and the ``sample`` command all call :func:`samp
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -19,8 +20,7 @@ from ..diffusion import SpacedDiffusion, create_diffusion
 from ..keyed_random import keyed_normal, sample_keys
 from ..models.dit import DiT
 from ..precision import SamplingPrecision, autocast, to_dtype
-
-Sampler = Literal["ddpm", "ddim"]
+from .schedulers import Sampler, check_sampler, is_diffusers_sampler, sample_with_scheduler
 
 # Keys of the counter-based random numbers; fixed forever, since they define which image
 # sample i is for a given seed.
@@ -131,7 +131,12 @@ def sample_latents(
     if idx.shape != (n,):
         raise ValueError(f"{n} labels but indices of shape {tuple(idx.shape)}")
     shape = (net.in_channels, net.input_size, net.input_size)
-    diffusion = build_sampling_diffusion(sampler, num_steps, noise_schedule, diffusion_steps, net.learn_sigma)
+    check_sampler(sampler)
+    diffusion = (
+        None
+        if is_diffusers_sampler(sampler)  # a diffusers scheduler, built in sample_with_scheduler
+        else build_sampling_diffusion(sampler, num_steps, noise_schedule, diffusion_steps, net.learn_sigma)
+    )
     fn = model_fn or guided_model_fn(net, cfg_scale, guide_channels, precision)
     if noise_fn is None:
         idx_dev = idx.to(device)
@@ -142,15 +147,19 @@ def sample_latents(
     x = (noise if noise is not None else initial_noise(idx.to(device), shape, seed)).to(device, torch.float32)
     if tuple(x.shape) != (n, *shape):
         raise ValueError(f"noise of shape {tuple(x.shape)}, expected {(n, *shape)}")
-    if sampler not in ("ddpm", "ddim"):
-        raise ValueError(f"sampler must be 'ddpm' or 'ddim', got {sampler!r}")
     was_training = net.training
     net.eval()
     common: dict[str, Any] = dict(
         noise=x, clip_denoised=clip_denoised, model_kwargs={"y": y}, device=device, noise_fn=noise_fn
     )
     try:
-        if sampler == "ddpm":
+        if diffusion is None:
+            x = sample_with_scheduler(
+                fn, x, y, idx, sampler=sampler, num_steps=num_steps, seed=seed, in_channels=net.in_channels,
+                learn_sigma=net.learn_sigma, noise_schedule=noise_schedule, diffusion_steps=diffusion_steps,
+                eta=eta, clip_denoised=clip_denoised, noise_fn=noise_fn,
+            )  # fmt: skip
+        elif sampler == "ddpm":
             x = diffusion.p_sample_loop(fn, x.shape, **common)
         else:
             x = diffusion.ddim_sample_loop(fn, x.shape, eta=eta, **common)

@@ -1,0 +1,352 @@
+"""Writing a DiT for diffusers users (a ``DiTPipeline`` directory) and as a weights-only
+``.safetensors`` file, both loadable without pickle and read back by :func:`read_checkpoint`.
+
+A pipeline directory holds what ``DiTPipeline.from_pretrained(DIR)`` reads offline:
+
+- ``transformer/``: ``config.json`` and ``diffusion_pytorch_model.safetensors`` (EMA weights by
+  default), names mapped by the rule of :mod:`.diffusers_format`;
+- ``scheduler/``: a diffusers scheduler with the model's training betas (DPM-Solver++ 2M by
+  default; for a pixel-space model it clamps x0 to [-1, 1] as dit-lightning samples it);
+- ``vae/``: the store's VAE when it can be written offline (a local ``save_pretrained``
+  directory, or a hub id already in the Hugging Face cache), with the store's scale factor as
+  ``scaling_factor``; otherwise no ``vae/`` (``model_index.json`` has ``"vae": [null, null]``)
+  and README.md says what to pass as ``vae=`` (the hub id, or :class:`PixelDecoder` for a
+  pixel-space model);
+- ``model_index.json`` (with ``id2label`` when the store knows class names), ``README.md`` (how
+  to load it, what diffusers computes differently) and ``dit_lightning.json`` (the VAE
+  reference, scale factor, noise schedule and source, for reading it back).
+
+The directory is built next to ``output`` and renamed into place, so a reader never sees half
+of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from ..atomic import atomic_write, fsync_dir, write_json, write_text
+from ..sampling.schedulers import DiffusersSampler, build_scheduler, can_threshold
+from ..vae import DEFAULT_SCALE_FACTOR, DEFAULT_VAE, is_pixel_space
+from .architecture import dit_config_of, recorded_vae
+from .diffusers_format import (
+    INFO_FILE,
+    METADATA_KEY,
+    WEIGHT_FILE,
+    diffusers_transformer_config,
+    reference_pos_embed,
+    to_diffusers_state_dict,
+)
+from .formats import DiTCheckpoint, StateDict, Weights
+
+_PLAIN = (int, float, str, bool, list, tuple, dict, type(None))
+
+
+def _plain_args(ckpt: DiTCheckpoint, cfg: dict[str, Any]) -> dict[str, Any]:
+    args = {k: v for k, v in {**ckpt.args, "model_config": cfg}.items() if isinstance(v, _PLAIN)}
+    args.update({k: ckpt.meta[k] for k in ("epoch", "global_step") if isinstance(ckpt.meta.get(k), int)})
+    return args
+
+
+def _check_pos_embed(sd: StateDict, cfg: dict[str, Any], source: str) -> None:
+    """diffusers stores no position table (it recomputes the sin-cos one): refuse weights whose table is another."""
+    table = reference_pos_embed(cfg["hidden_size"], cfg["input_size"] // cfg["patch_size"])
+    mine = sd["pos_embed"]
+    if tuple(mine.shape) != tuple(table.shape) or not torch.equal(mine, table.to(mine.dtype)):
+        diff = (mine.float() - table).abs().max().item() if mine.shape == table.shape else float("nan")
+        raise ValueError(
+            f"the pos_embed of {source} is not the fixed sin-cos table (max difference {diff:.3g}); diffusers "
+            "stores no position table and would recompute it: export it with --format safetensors instead"
+        )
+
+
+def _safetensors_bytes(tensors: StateDict, metadata: dict[str, str]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata)
+
+
+# ---------------------------------------------------------------------------------------
+# safetensors
+# ---------------------------------------------------------------------------------------
+
+
+def export_safetensors(ckpt: DiTCheckpoint, output: Union[str, Path], weights: Weights = "ema") -> dict[str, Any]:
+    """Write one set of weights (EMA by default; ``"raw"``: the trained ones) under the reference
+    names as a ``.safetensors`` file, the settings (architecture in ``model_config``, noise
+    schedule, VAE...) as JSON in its metadata. Written atomically."""
+    sd = ckpt.weights("ema" if weights == "ema" else "model")
+    cfg, notes = dit_config_of(ckpt, sd)
+    used = "ema" if weights == "ema" and ckpt.has_ema() else "raw"
+    record = {
+        "format_version": 1,
+        "weights": used,
+        "source": ckpt.path,
+        "args": _plain_args(ckpt, cfg),
+        **{k: ckpt.meta[k] for k in ("epoch", "global_step") if isinstance(ckpt.meta.get(k), int)},
+    }
+    data = _safetensors_bytes(sd, {METADATA_KEY: json.dumps(record), "format": "pt"})
+    atomic_write(output, lambda f: f.write(data))
+    if weights == "ema" and not ckpt.has_ema():
+        notes.append(f"'{ckpt.path}' has no EMA weights; exported the trained weights")
+    return {"output": str(output), "weights": used, "notes": notes}
+
+
+# ---------------------------------------------------------------------------------------
+# diffusers
+# ---------------------------------------------------------------------------------------
+
+
+def _store_spec(ckpt: DiTCheckpoint, store: Optional[str]) -> Optional[Any]:
+    """The StoreSpec of ``store``, else of the store a Lightning checkpoint trained on (if it is here)."""
+    from ..data.digits import digits_spec
+    from ..data.store import StoreError, load_plan
+
+    if store is not None:
+        return load_plan(store)
+    data = ckpt.meta.get("datamodule") or {}
+    path = data.get("path")
+    if isinstance(path, str) and os.path.isdir(path):
+        try:
+            return load_plan(path)
+        except StoreError:
+            pass
+    if data.get("prepare") == "digits":
+        return digits_spec(int(data.get("digits_size") or 8))
+    return None
+
+
+def _write_vae(name: str, scale: Optional[float], target: Path) -> Optional[str]:
+    """Save the VAE ``name`` (local directory, or a hub id in the Hugging Face cache) to ``target``
+    with ``scaling_factor`` = ``scale``; returns why it could not (None when written)."""
+    from diffusers.models import AutoencoderKL
+
+    local = os.path.isdir(name)
+    try:
+        vae = AutoencoderKL.from_pretrained(name, local_files_only=True, low_cpu_mem_usage=False)
+    except Exception as e:
+        where = (
+            "the local directory" if local else "the Hugging Face cache (this export reads nothing from the network)"
+        )
+        return f"{name!r} could not be loaded from {where}: {type(e).__name__}"
+    if scale is not None:
+        vae.register_to_config(scaling_factor=float(scale))
+    vae.save_pretrained(str(target), safe_serialization=True)
+    return None
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``; an earlier export there is replaced (only an export:
+    a directory without ``model_index.json`` is refused, so nothing else is ever deleted)."""
+    old: Optional[Path] = None
+    if out.exists():
+        if not (out / "model_index.json").is_file() and any(out.iterdir()):
+            raise FileExistsError(f"{out} exists and is not a diffusers export: choose another --output")
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=str(out.parent)))
+        os.replace(out, old / out.name)
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _readme(info: dict[str, Any], cfg: dict[str, Any], notes: list[str]) -> str:
+    n_classes = cfg["num_classes"]
+    vae_line = {
+        "included": "`vae/`: the store's VAE, `scaling_factor` set to the store's scale factor.",
+        "pixels": "no `vae/`: the model generates pixels (values in [-1, 1]), there is nothing to decode.",
+        "missing": f"no `vae/`: the model's VAE `{info['vae']}` could not be written offline ({info.get('vae_note')}).",
+    }[info["vae_status"]]
+    vae_arg = {
+        "included": "",
+        "pixels": ", vae=PixelDecoder()",
+        "missing": f', vae=AutoencoderKL.from_pretrained("{info["vae"]}")',
+    }[info["vae_status"]]
+    imports = {
+        "included": "",
+        "pixels": "from dit_lightning.checkpoints import PixelDecoder  # identity decode, scaling_factor 1\n",
+        "missing": "from diffusers import AutoencoderKL\n",
+    }[info["vae_status"]]
+    guidance = "1.5" if n_classes == 1000 else "1.0"
+    guidance_note = (
+        []
+        if n_classes == 1000
+        else [f"# DiTPipeline's null class is hard-coded to 1000: no guidance for {n_classes} classes"]
+    )
+    lines = [
+        f"# DiT exported by dit-lightning ({info['weights']} weights of `{info['source']}`)",
+        "",
+        f"- architecture: depth {cfg['depth']}, hidden {cfg['hidden_size']}, {cfg['num_heads']} heads, patch "
+        f"{cfg['patch_size']}, {cfg['in_channels']} x {cfg['input_size']} x {cfg['input_size']} inputs, "
+        f"{n_classes} classes, learned sigma: {cfg['learn_sigma']}",
+        f"- `scheduler/`: {info['scheduler_class']} with the training betas ({info['noise_schedule']}, "
+        f"{info['diffusion_steps']} steps)" + (", clamping x0 to [-1, 1]" if info.get("thresholding") else ""),
+        f"- {vae_line}",
+        "",
+        "## Load",
+        "",
+        "```python",
+        "from diffusers import DiTPipeline",
+        "from dit_lightning.checkpoints import use_reference_timestep_embedding",
+        *([imports.rstrip("\n")] if imports else []),
+        f'pipe = use_reference_timestep_embedding(DiTPipeline.from_pretrained("DIR"{vae_arg}))',
+        *guidance_note,
+        f"images = pipe(class_labels=[0, 1, 2], num_inference_steps=25, guidance_scale={guidance}).images",
+        "```",
+        "",
+        "Without dit-lightning, the same exact network in plain diffusers:",
+        "",
+        "```python",
+        "for block in pipe.transformer.transformer_blocks:",
+        "    block.norm1.emb.time_proj.downscale_freq_shift = 0",
+        "```",
+        "",
+        "diffusers' `DiTTransformer2DModel` builds its timestep frequencies with `downscale_freq_shift=1`",
+        "(exponent / 127 instead of / 128 for 256 channels); the DiT this was trained as uses 0. Loaded as",
+        "diffusers builds it, the outputs differ slightly (see dit-lightning's docs/sampling.md for the",
+        "measured effect); with the line above they are the trained network's.",
+        "",
+    ]
+    if info["vae_status"] == "pixels":
+        lines += [
+            "`PixelDecoder` is an identity `decode` with `config.scaling_factor = 1`; without dit-lightning,",
+            "any module with those two (and `device` / `dtype` properties) does.",
+            "",
+        ]
+    if notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+    return "\n".join(lines)
+
+
+def export_diffusers(
+    ckpt: DiTCheckpoint,
+    output: Union[str, Path],
+    weights: Weights = "ema",
+    scheduler: DiffusersSampler = "dpm++2m",
+    store: Optional[str] = None,
+    vae: Optional[str] = None,
+) -> dict[str, Any]:
+    """Write ``ckpt`` as a ``DiTPipeline`` directory (see the module docstring); returns what was
+    written (``vae_status``: ``included`` | ``pixels`` | ``missing``) and notes for the user.
+
+    ``store``: the latent store the model trained on, for its class names (``id2label``), VAE and
+    scale factor; default the one a Lightning checkpoint records, when it is on this machine.
+    ``vae``: override the VAE (hub id, local directory, or ``none/pixels``).
+    Raises :class:`~.diffusers_format.NotExpressibleError` for a DiT diffusers cannot express.
+    """
+    import diffusers
+
+    out = Path(output)
+    sd = ckpt.weights("ema" if weights == "ema" else "model")
+    cfg, notes = dit_config_of(ckpt, sd)
+    transformer_config = diffusers_transformer_config(cfg)  # refuses what diffusers cannot express
+    _check_pos_embed(sd, cfg, f"'{ckpt.path}'")
+    mapped = to_diffusers_state_dict(sd)
+    with torch.device("meta"):  # checks every name and shape without allocating the network
+        model: Any = diffusers.DiTTransformer2DModel(**transformer_config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in mapped.items()}
+    if expected != got:  # pragma: no cover - the rule and diffusers disagree: a diffusers change
+        bad = sorted(set(expected) ^ set(got)) or [k for k in expected if expected[k] != got[k]]
+        raise RuntimeError(f"the name rule no longer matches diffusers' DiTTransformer2DModel: {bad[:4]}")
+
+    spec = _store_spec(ckpt, store)
+    vae_name = vae or recorded_vae(ckpt.args) or (spec.vae if spec is not None else None)
+    if vae_name is None:
+        vae_name = DEFAULT_VAE if cfg["in_channels"] == 4 else "none/pixels"
+        notes.append(f"the checkpoint names no VAE; assumed {vae_name}")
+    pixels = is_pixel_space(vae_name)
+    scale = ckpt.args.get("scale_factor")
+    if scale is None and spec is not None and not pixels:
+        scale = spec.scale_factor
+    noise_schedule = str(ckpt.args.get("noise_schedule") or "linear")
+    diffusion_steps = int(ckpt.args.get("diffusion_steps") or 1000)
+    thresholding = pixels and can_threshold(scheduler)
+    if pixels and not thresholding:
+        notes.append(
+            f"{scheduler} cannot clamp x0 to [-1, 1] in diffusers; DiTPipeline samples this pixel model unclipped"
+        )
+    sched = build_scheduler(scheduler, noise_schedule, diffusion_steps, learn_sigma=False, thresholding=thresholding)
+    used = "ema" if weights == "ema" and ckpt.has_ema() else "raw"
+    if weights == "ema" and not ckpt.has_ema():
+        notes.append(f"'{ckpt.path}' has no EMA weights; exported the trained weights")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=str(out.parent)))
+    try:
+        (tmp / "transformer").mkdir()
+        model.save_config(str(tmp / "transformer"))
+        data = _safetensors_bytes(mapped, {"format": "pt"})
+        atomic_write(tmp / "transformer" / WEIGHT_FILE, lambda f: f.write(data))
+        sched.save_pretrained(str(tmp / "scheduler"))
+        vae_note = None
+        if pixels:
+            status = "pixels"
+        else:
+            vae_note = _write_vae(vae_name, scale, tmp / "vae")
+            status = "missing" if vae_note else "included"
+            if vae_note:
+                notes.append(f"no vae/ written: {vae_note}; pass vae=AutoencoderKL.from_pretrained({vae_name!r})")
+                if scale is not None and float(scale) != DEFAULT_SCALE_FACTOR:
+                    notes.append(f"set that VAE's scaling_factor to the store's {scale} (its default may differ)")
+            elif scale is None:
+                notes.append(
+                    "the store's scale factor is unknown (pass store=...): vae/ keeps the VAE's own scaling_factor"
+                )
+        index: dict[str, Any] = {
+            "_class_name": "DiTPipeline",
+            "_diffusers_version": diffusers.__version__,
+            "scheduler": ["diffusers", type(sched).__name__],
+            "transformer": ["diffusers", "DiTTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKL"] if status == "included" else [None, None],
+        }
+        if spec is not None and len(spec.class_names) == cfg["num_classes"]:
+            index["id2label"] = {str(i): name for i, name in enumerate(spec.class_names)}
+        elif spec is None:
+            notes.append("no store known (pass store=...): model_index.json has no id2label")
+        else:
+            notes.append(
+                f"the store has {len(spec.class_names)} class names for {cfg['num_classes']} classes: no id2label"
+            )
+        write_json(tmp / "model_index.json", index)
+        info: dict[str, Any] = {
+            "format_version": 1,
+            "source": ckpt.path,
+            "weights": used,
+            "model_config": cfg,
+            "noise_schedule": noise_schedule,
+            "diffusion_steps": diffusion_steps,
+            "vae": vae_name,
+            "vae_status": status,
+            "vae_note": vae_note,
+            "scale_factor": None if pixels else (float(scale) if scale is not None else None),
+            "scheduler": scheduler,
+            "scheduler_class": type(sched).__name__,
+            "thresholding": thresholding,
+            **{k: ckpt.meta[k] for k in ("epoch", "global_step") if isinstance(ckpt.meta.get(k), int)},
+        }
+        write_json(tmp / INFO_FILE, info)
+        write_text(tmp / "README.md", _readme(info, cfg, notes))
+        _fsync_tree(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"output": str(out), **info, "notes": notes}
