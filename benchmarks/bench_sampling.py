@@ -507,9 +507,11 @@ def _quality_markdown(
         f"real digits (held-out accuracy on real digits {real_acc:.3f}), Fréchet distances to real digits in the "
         f"SVC's decision space (real-vs-real floor {baseline['fd_svc_real_baseline']:.3f}) and in pixel space "
         f"(floor {baseline['fd_pixels_real_baseline']:.3f}); lower FD is better",
-        "- every row starts from the same keyed x_T per sample (seed 0); wall time per image: sampling only, one "
-        "torch thread, on a 2-core VM shared with other jobs (load average 4-6 during the run): compare rows "
-        "within this table, not with other machines",
+        "- every row starts from the same keyed x_T per sample (seed 0); wall time per image: sampling only, "
+        f"{args.threads or torch.get_num_threads()} torch thread(s), as measured when the row ran (with --resume the "
+        "rows may come from several runs, each under the machine's load then: on a shared machine these times are "
+        "noisy); every network evaluation costs one forward of the doubled batch whatever the sampler, so the "
+        "speed-up below counts evaluations",
         "",
     ]
     for metric, label in (("accuracy", "accuracy"), ("fd_svc", "FD (SVC)"), ("fd_pixels", "FD (pixels)")):
