@@ -382,6 +382,15 @@ def _digit_metrics(images: torch.Tensor, labels: torch.Tensor, clf: Any, real_ac
     return digits_metrics(uint8_digit_features(u8), labels.numpy(), clf, real_acc)
 
 
+def _metric_columns(m: dict[str, Any]) -> dict[str, float]:
+    """The three table columns of :func:`_digit_metrics`' result, rounded as the CSVs keep them."""
+    return {
+        "accuracy": round(m["accuracy"], 4),
+        "fd_svc": round(m["frechet"]["fd_svc"], 4),
+        "fd_pixels": round(m["frechet"]["fd_pixels"], 4),
+    }
+
+
 def _load_demo(path: str) -> Any:
     from dit_lightning.checkpoints import load_dit
 
@@ -452,9 +461,7 @@ def quality_per_step(args: argparse.Namespace) -> None:
                 "sampler": sampler,
                 "nfe": nfe,
                 "seed": seed,
-                "accuracy": round(m["accuracy"], 4),
-                "fd_svc": round(m["frechet"]["fd_svc"], 4),
-                "fd_pixels": round(m["frechet"]["fd_pixels"], 4),
+                **_metric_columns(m),
                 "s_per_image": round(secs / n, 5),
                 "samples": n,
                 "cfg_scale": cfg_scale,
@@ -684,9 +691,7 @@ def diffusers_comparison(args: argparse.Namespace) -> None:
                 "sampling": name,
                 "scheduler": sampler,
                 "steps": steps,
-                "accuracy": round(m["accuracy"], 4),
-                "fd_svc": round(m["frechet"]["fd_svc"], 4),
-                "fd_pixels": round(m["frechet"]["fd_pixels"], 4),
+                **_metric_columns(m),
                 "max_pixel_diff_vs_dit_lightning": "" if ref is None else f"{(images - ref).abs().max().item():.2g}",
                 "s_per_image": round(secs / n, 5),
             }
