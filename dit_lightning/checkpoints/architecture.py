@@ -125,6 +125,17 @@ def dit_config_of(
     return cfg, notes
 
 
+_PLAIN = (int, float, str, bool, list, tuple, dict, type(None))
+
+
+def export_args(ckpt: DiTCheckpoint, cfg: dict[str, Any]) -> dict[str, Any]:
+    """What an export records of ``ckpt``: its plain (YAML/JSON-able) settings, the architecture
+    ``cfg`` under ``model_config``, and the epoch and step it was saved at."""
+    args = {k: v for k, v in {**ckpt.args, "model_config": cfg}.items() if isinstance(v, _PLAIN)}
+    args.update({k: ckpt.meta[k] for k in ("epoch", "global_step") if isinstance(ckpt.meta.get(k), int)})
+    return args
+
+
 def describe(cfg: dict[str, Any]) -> str:
     return ", ".join(f"{k}={cfg[k]}" for k in _DESCRIBED if k in cfg)
 

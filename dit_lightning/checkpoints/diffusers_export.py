@@ -34,7 +34,7 @@ import torch
 from ..atomic import atomic_write, fsync_dir, write_json, write_text
 from ..sampling.schedulers import DiffusersSampler, build_scheduler, can_threshold
 from ..vae import DEFAULT_SCALE_FACTOR, DEFAULT_VAE, is_pixel_space
-from .architecture import dit_config_of, recorded_vae
+from .architecture import dit_config_of, export_args, recorded_vae
 from .diffusers_format import (
     INFO_FILE,
     METADATA_KEY,
@@ -44,14 +44,6 @@ from .diffusers_format import (
     to_diffusers_state_dict,
 )
 from .formats import DiTCheckpoint, StateDict, Weights
-
-_PLAIN = (int, float, str, bool, list, tuple, dict, type(None))
-
-
-def _plain_args(ckpt: DiTCheckpoint, cfg: dict[str, Any]) -> dict[str, Any]:
-    args = {k: v for k, v in {**ckpt.args, "model_config": cfg}.items() if isinstance(v, _PLAIN)}
-    args.update({k: ckpt.meta[k] for k in ("epoch", "global_step") if isinstance(ckpt.meta.get(k), int)})
-    return args
 
 
 def _check_pos_embed(sd: StateDict, cfg: dict[str, Any], source: str) -> None:
@@ -81,14 +73,14 @@ def export_safetensors(ckpt: DiTCheckpoint, output: Union[str, Path], weights: W
     """Write one set of weights (EMA by default; ``"raw"``: the trained ones) under the reference
     names as a ``.safetensors`` file, the settings (architecture in ``model_config``, noise
     schedule, VAE...) as JSON in its metadata. Written atomically."""
-    sd = ckpt.weights("ema" if weights == "ema" else "model")
+    sd = ckpt.weights(weights)
     cfg, notes = dit_config_of(ckpt, sd)
     used = "ema" if weights == "ema" and ckpt.has_ema() else "raw"
     record = {
         "format_version": 1,
         "weights": used,
         "source": ckpt.path,
-        "args": _plain_args(ckpt, cfg),
+        "args": export_args(ckpt, cfg),
         **{k: ckpt.meta[k] for k in ("epoch", "global_step") if isinstance(ckpt.meta.get(k), int)},
     }
     data = _safetensors_bytes(sd, {METADATA_KEY: json.dumps(record), "format": "pt"})
@@ -254,7 +246,7 @@ def export_diffusers(
     import diffusers
 
     out = Path(output)
-    sd = ckpt.weights("ema" if weights == "ema" else "model")
+    sd = ckpt.weights(weights)
     cfg, notes = dit_config_of(ckpt, sd)
     transformer_config = diffusers_transformer_config(cfg)  # refuses what diffusers cannot express
     _check_pos_embed(sd, cfg, f"'{ckpt.path}'")

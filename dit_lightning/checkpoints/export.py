@@ -15,12 +15,11 @@ from ..atomic import save_torch
 from ..models.config import model_config
 from ..models.dit import DiT
 from ..sampling.schedulers import DiffusersSampler
-from .architecture import dit_config_of
+from .architecture import dit_config_of, export_args
 from .diffusers_export import export_diffusers, export_safetensors
 from .formats import StateDict, Weights, read_checkpoint
 
 ExportFormat = Literal["reference", "raw", "diffusers", "safetensors"]
-_PLAIN = (int, float, str, bool, list, tuple, dict, type(None))
 
 
 def _cpu(sd: StateDict) -> StateDict:
@@ -79,13 +78,10 @@ def export_checkpoint(
         return {"format": format, **export_diffusers(ckpt, out, weights, scheduler=scheduler, store=store, vae=vae)}
     if format == "safetensors":
         return {"format": format, **export_safetensors(ckpt, out, weights)}
-    chosen = ckpt.weights("ema" if weights == "ema" else "model")
     obj: dict[str, Any]
-    cfg, _ = dit_config_of(ckpt)
-    args = {k: v for k, v in {**ckpt.args, "model_config": cfg}.items() if isinstance(v, _PLAIN)}
-    args.update({k: ckpt.meta[k] for k in ("epoch", "global_step") if isinstance(ckpt.meta.get(k), int)})
+    args = export_args(ckpt, dit_config_of(ckpt)[0])
     if format == "raw":
-        obj = _cpu(chosen)
+        obj = _cpu(ckpt.weights(weights))
     else:
         obj = to_reference_format(
             ckpt.model, ckpt.weights("ema"), args=args, opt=ckpt.optimizer if include_optimizer else None
