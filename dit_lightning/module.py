@@ -330,10 +330,11 @@ class DiTModule(L.LightningModule):
                 factory = functools.partial(factory, warmup_steps=self.hparams.warmup_steps)
             if keywords.get("decay", "none") != "none" and keywords.get("decay_steps") is None:
                 # the decay ends with the run: its total optimiser steps
-                total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else None
-                if not total or total == float("inf"):
+                # (read before int(): an endless run estimates inf, and int(inf) would raise OverflowError)
+                total = self.trainer.estimated_stepping_batches if self._trainer is not None else None
+                if not total or total == float("inf") or total <= 0:
                     raise ValueError("lr_scheduler decay needs decay_steps, or trainer.max_steps to take it from")
-                factory = functools.partial(factory, decay_steps=total)
+                factory = functools.partial(factory, decay_steps=int(total))
         return factory(optimizer)
 
     # ---- the training objective -----------------------------------------------------------

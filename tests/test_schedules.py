@@ -39,3 +39,23 @@ def test_bad_settings_say_what_to_set():
         WarmupDecayLR(opt, warmup_steps=5, decay="cosine")
     with pytest.raises(ValueError, match="min_lr_ratio"):
         WarmupDecayLR(opt, min_lr_ratio=2.0)
+
+
+def test_a_decay_without_an_end_says_so_instead_of_overflowing():
+    """DiTModule takes decay_steps from the run's total steps; an endless run (max_steps -1,
+    max_epochs -1) has none, which must read as the setting to give, not int(inf)'s OverflowError."""
+    import functools
+    from types import SimpleNamespace
+
+    from dit_lightning.module import DiTModule
+
+    module = DiTModule("custom", latent_shape=(1, 4, 4), num_classes=2, depth=1, hidden_size=8, num_heads=1,
+                       patch_size=2)  # fmt: skip
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    factory = functools.partial(WarmupDecayLR, decay="cosine")
+    for total in (float("inf"), -1):
+        module._trainer = SimpleNamespace(estimated_stepping_batches=total)  # type: ignore[assignment]
+        with pytest.raises(ValueError, match="decay_steps, or trainer.max_steps"):
+            module._build_scheduler(factory, opt)
+    module._trainer = SimpleNamespace(estimated_stepping_batches=40)  # type: ignore[assignment]
+    assert module._build_scheduler(factory, opt).decay_steps == 40
