@@ -475,7 +475,9 @@ class LatentDataModule(L.LightningDataModule):
         self.random_flip, self.sample_posterior = random_flip, sample_posterior
         self.prepare, self.digits_size = prepare, int(digits_size)
         self.drop_last = drop_last
-        self.spec = self._read_spec()  # eager and cheap: one JSON file (or the digits constants)
+        # The store opened to read the spec (index and shard sizes checked), kept for setup().
+        self._opened: Optional[st.LatentStore] = None
+        self.spec = self._read_spec()  # eager: the index and shard sizes (or the digits constants)
         self.store: Optional[st.LatentStore] = None
         self._micro: Optional[int] = None
         self._world, self._rank, self._accum = 1, 0, 1
@@ -491,7 +493,8 @@ class LatentDataModule(L.LightningDataModule):
     def _read_spec(self) -> st.StoreSpec:
         meta_path = os.path.join(self.path, st.META_FILE)
         if os.path.exists(meta_path):
-            return st.LatentStore(self.path).spec  # validated: a corrupt index or shard names its file
+            self._opened = st.LatentStore(self.path)  # validated: a corrupt index or shard names its file
+            return self._opened.spec
         if self.prepare == "digits":
             return digits_spec(self.digits_size)
         st.LatentStore(self.path)  # raises the explanatory error (missing / incomplete store)
@@ -556,7 +559,8 @@ class LatentDataModule(L.LightningDataModule):
         if self.store is None:
             if self.prepare == "digits" and not os.path.exists(os.path.join(self.path, st.META_FILE)):
                 self.prepare_data()  # notebook use without a trainer
-            self.store = st.LatentStore(self.path)
+            self.store = self._opened or st.LatentStore(self.path)
+            self._opened = None
             self.spec = self.store.spec
             if self.hparams.get("verify_checksums"):
                 self._verify(world, rank)
