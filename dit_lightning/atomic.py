@@ -53,7 +53,9 @@ class NotWritableError(OSError):
     """An output location cannot be written (found before any work, by :func:`check_writable`)."""
 
     def __str__(self) -> str:
-        return str(self.strerror)
+        if self.strerror is not None:
+            return str(self.strerror)
+        return str(self.args[0]) if self.args else "an output location cannot be written"
 
 
 def _no_space_cause(error: BaseException) -> Any:
@@ -103,7 +105,7 @@ def out_of_space(path: PathLike, cause: OSError) -> OutOfSpaceError:
 def check_writable(directory: PathLike, what: str = "output directory", fix: str = "") -> Path:
     """Prove that files can be written in ``directory`` (a temporary file, removed at once) without
     creating it: a directory that does not exist yet is probed through its nearest existing
-    ancestor, which must be a writable directory. Raises ``OSError`` naming ``what``, the reason
+    ancestor, which must be a writable directory. Raises :class:`NotWritableError` naming ``what``, the reason
     and ``fix`` otherwise."""
     d = os.path.abspath(os.fspath(directory))
     existing = next((p for p in [d, *map(str, Path(d).parents)] if os.path.lexists(p)), "/")
@@ -119,7 +121,7 @@ def check_writable(directory: PathLike, what: str = "output directory", fix: str
             reason = f"no space left ({_human(_free_bytes(existing))} free)"
         elif existing != d and e.errno != errno.ENOTDIR:
             reason = f"{reason} (in {existing}, where it would be created)"
-        raise OSError(
+        raise NotWritableError(
             e.errno, f"cannot write the {what} {d}: {reason}. " + (fix or "Choose a writable location.")
         ) from None
     return Path(d)

@@ -43,7 +43,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnv
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from ..atomic import check_writable
+from ..atomic import NotWritableError, check_writable
 from ..distributed.sharding import is_sharded
 
 # The signals that stop a run cleanly, and what a user reads for them.
@@ -56,13 +56,6 @@ class NonFiniteLossError(RuntimeError):
 
 class NonFiniteWeightsError(RuntimeError):
     """A checkpoint was about to be written from weights holding NaN / inf."""
-
-
-class OutputNotWritableError(OSError):
-    """An output location of the run cannot be written."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "an output location cannot be written"
 
 
 class SignalExit(SystemExit):
@@ -397,9 +390,9 @@ class FaultTolerance(L.Callback):
         if trainer.world_size > 1:
             ok = trainer.strategy.reduce_boolean_decision(ok, all=True)
         if problem is not None:
-            raise OutputNotWritableError(problem)
+            raise NotWritableError(problem)
         if not ok:
-            raise OutputNotWritableError("rank 0 found an output location it cannot write (see its message)")
+            raise NotWritableError("rank 0 found an output location it cannot write (see its message)")
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._check_outputs(trainer, "fit")
@@ -565,7 +558,7 @@ class FaultTolerance(L.Callback):
 
     # ---- a rank lost -----------------------------------------------------------------------
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, (NonFiniteLossError, NonFiniteWeightsError, OutputNotWritableError)):
+        if isinstance(exception, (NonFiniteLossError, NonFiniteWeightsError, NotWritableError)):
             _leave_after_the_launcher(trainer)  # raised on every rank together: rank 0 reports it
             return
         watchdog = self._watchdog
