@@ -54,8 +54,8 @@ def test_a_decay_without_an_end_says_so_instead_of_overflowing():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     factory = functools.partial(WarmupDecayLR, decay="cosine")
     for total in (float("inf"), -1):
-        module._trainer = SimpleNamespace(estimated_stepping_batches=total)  # type: ignore[assignment]
+        module._trainer = SimpleNamespace(estimated_stepping_batches=total)
         with pytest.raises(ValueError, match="decay_steps, or trainer.max_steps"):
             module._build_scheduler(factory, opt)
-    module._trainer = SimpleNamespace(estimated_stepping_batches=40)  # type: ignore[assignment]
+    module._trainer = SimpleNamespace(estimated_stepping_batches=40)
     assert module._build_scheduler(factory, opt).decay_steps == 40
