@@ -349,13 +349,18 @@ def fit_config(
     tf32: bool = True,
     strategy: Optional[dict] = None,
     num_nodes: int = 1,
+    log_every: int = 1,
+    sync_audit: bool = False,
 ) -> Path:
     """A ``dit-lightning fit`` config (JSON, which YAML reads) for a tiny DiT on the digits store."""
     s = sizes(ctx)
     callbacks = [
         {"class_path": "dit_lightning.callbacks.DiTThroughputMonitor", "init_args": {"warmup_steps": 2}},
         {"class_path": "dit_lightning.callbacks.GPUMemoryMonitor"},
-        {"class_path": "gpu_check_facts.RunFacts", "init_args": {"output": str(out / "facts")}},
+        {
+            "class_path": "gpu_check_facts.RunFacts",
+            "init_args": {"output": str(out / "facts"), "sync_audit": sync_audit},
+        },
     ]
     trainer: dict[str, Any] = {
         "accelerator": "cpu" if ctx.dry else "gpu",
@@ -363,7 +368,7 @@ def fit_config(
         "num_nodes": num_nodes,
         "precision": precision,
         "max_steps": steps,
-        "log_every_n_steps": 1,
+        "log_every_n_steps": log_every,
         "val_check_interval": steps,
         "check_val_every_n_epoch": None,
         "limit_val_batches": 1,
@@ -679,7 +684,36 @@ def stage_fit(ctx: Context) -> None:
             return
         check_resume(ctx, "fit", spec.name, full, resumed, s["every"], s["steps"])
 
-    parallel([functools.partial(job, spec) for spec in specs], workers=2 if ctx.dry else len(specs))
+    jobs = [functools.partial(job, spec) for spec in specs] + [functools.partial(sync_audit, ctx)]
+    parallel(jobs, workers=2 if ctx.dry else len(jobs))
+
+
+def sync_audit(ctx: Context) -> None:
+    """CUDA's sync-debug mode over a bf16 fit logged every 10 steps: the package may synchronise the
+    host with the device only at the logged steps (the non-finite check, the monitors), never on the
+    hot path between them (issue 24)."""
+    name = "host syncs (sync-debug mode)"
+    if ctx.dry:
+        ctx.add("fit", name, "skipped: needs CUDA (torch.cuda.set_sync_debug_mode)")
+        return
+    out = ctx.work / "fit" / "sync-audit"
+    config = fit_config(ctx, out, "bf16-mixed", 30, 30, log_every=10, sync_audit=True)
+    proc = fit(ctx, config, out / "fit.log")
+    if not proc.ok:
+        ctx.add("fit", name, "cut: stage budget" if proc.timed_out else "fail", proc.error_line())
+        return
+    report = facts(out).get("host_syncs") or {}
+    if not report:
+        ctx.add("fit", name, "fail", "no sync report written")
+        return
+    quiet = report.get("package_outside_logged_steps") or {}
+    ours = sum((report.get("package") or {}).values())
+    measured = (
+        f"{report.get('total')} syncs in {report.get('steps')} steps: {ours} by dit_lightning (at logged steps), "
+        f"{report.get('total', 0) - ours} by torch/Lightning; top: {json.dumps(report.get('others'))[:300]}"
+    )
+    detail = f"package syncs outside logged steps: {json.dumps(quiet)[:500]}" if quiet else ""
+    ctx.add("fit", name, "fail" if quiet else "pass", measured, "none by dit_lightning between logged steps", detail)
 
 
 def expected_peak(ctx: Context, dtype: str, tf32: bool) -> Optional[float]:

@@ -6,6 +6,11 @@ configuration cannot prove by itself: the precision plugin and whether its GradS
 the compute dtype and the peak FLOP/s the throughput monitor took, whether AdamW is fused,
 whether the network is compiled, checkpointed and wrapped by FSDP1/FSDP2, whether deterministic
 algorithms are on and which kernels warned that they have no deterministic implementation.
+
+With ``sync_audit``, CUDA's sync-debug mode (``torch.cuda.set_sync_debug_mode("warn")``) is on while
+the run trains, and every synchronising CUDA operation is recorded with the optimiser step it
+happened in and the Python line that made it (``host_syncs`` in the JSON): the training step may make
+them only at the steps Lightning logs (issue 24's rule), which the GPU check verifies.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dit_lightning.planner.hardware import tf32_enabled
 from dit_lightning.precision import compute_dtype, grad_scaler
 
 NONDETERMINISTIC = "does not have a deterministic implementation"
+SYNCHRONIZING = "called a synchronizing CUDA operation"
 
 
 def _callbacks(trainer: Any) -> list:
@@ -41,9 +47,12 @@ class RunFacts(L.Callback):
         output: path prefix of the JSON files (one per rank).
     """
 
-    def __init__(self, output: str) -> None:
+    def __init__(self, output: str, sync_audit: bool = False) -> None:
         super().__init__()
         self.output = output
+        self.sync_audit = sync_audit
+        self._syncs: list[tuple[int, str]] = []  # (optimiser steps done, file:line) of each synchronisation
+        self._trainer: Optional[L.Trainer] = None
         self.facts: dict[str, Any] = {}
         self._warnings: list[str] = []
         self._show: Optional[Any] = None
@@ -56,11 +65,15 @@ class RunFacts(L.Callback):
             text = str(message)
             if NONDETERMINISTIC in text and text not in self._warnings:
                 self._warnings.append(text.splitlines()[0][:300])
+            if SYNCHRONIZING in text and self._trainer is not None:
+                self._syncs.append((self._trainer.global_step, f"{filename}:{lineno}"))
+                return  # one per synchronisation: recorded, not printed
             if self._show is not None:
                 self._show(message, category, filename, lineno, file, line)
 
         warnings.showwarning = show
         warnings.filterwarnings("always", message=f".*{NONDETERMINISTIC}.*")
+        warnings.filterwarnings("always", message=f".*{SYNCHRONIZING}.*")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._show is not None:
@@ -101,8 +114,15 @@ class RunFacts(L.Callback):
             "peak_flops": getattr(throughput, "peak_flops", None),
         }
         self._write(trainer)
+        if self.sync_audit and device.type == "cuda":
+            self._trainer = trainer
+            torch.cuda.set_sync_debug_mode("warn")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._trainer is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._trainer = None
+            self.facts["host_syncs"] = self._sync_report(trainer)
         scaler = grad_scaler(trainer)
         throughput = next((c for c in _callbacks(trainer) if isinstance(c, DiTThroughputMonitor)), None)
         memory = next((c for c in _callbacks(trainer) if isinstance(c, GPUMemoryMonitor)), None)
@@ -117,3 +137,27 @@ class RunFacts(L.Callback):
             nondeterministic_kernels=list(self._warnings),
         )
         self._write(trainer)
+
+    def _sync_report(self, trainer: L.Trainer) -> dict[str, Any]:
+        """The synchronisations per optimiser step, split by who made them (this package or others)."""
+        every = int(getattr(trainer, "log_every_n_steps", 0) or 0)
+        ours: dict[str, int] = {}
+        theirs: dict[str, int] = {}
+        quiet: dict[int, list[str]] = {}  # package syncs during steps Lightning does not log
+        for step, where in self._syncs:
+            mine = "/dit_lightning/" in where
+            place = where.split("/dit_lightning/")[-1] if mine else where.rsplit("site-packages/", 1)[-1]
+            (ours if mine else theirs)[place] = (ours if mine else theirs).get(place, 0) + 1
+            # Lightning logs after step s when s % every == 0 (counted after it): reads at that point
+            # belong to the logged step, any other is on the hot path
+            logged = every > 0 and step % every == 0
+            if mine and not logged:
+                quiet.setdefault(step, []).append(place)
+        return {
+            "log_every_n_steps": every,
+            "steps": trainer.global_step,
+            "total": len(self._syncs),
+            "package": ours,
+            "others": dict(sorted(theirs.items(), key=lambda kv: -kv[1])[:12]),
+            "package_outside_logged_steps": {str(k): v for k, v in quiet.items()},
+        }

@@ -22,7 +22,9 @@ explicitly, which auto-fit never changes.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, cast
@@ -343,6 +345,27 @@ def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, torch.OutOfMemoryError):
         return True
     return isinstance(error, RuntimeError) and bool(_OOM_TEXT.search(str(error)))
+
+
+def forget_failed_pass(error: BaseException) -> None:
+    """Drop what an out-of-memory exception keeps alive: the frames of the failed forward / backward
+    pass hold its activations (clearing them frees the memory before the step is redone)."""
+    tb = error.__traceback__
+    if tb is not None:
+        traceback.clear_frames(tb)
+    error.__traceback__ = None
+    error.__context__ = error.__cause__ = None
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Return the failed pass's cached blocks to the device, so that a safer split allocates anew."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "mps" and hasattr(torch, "mps"):
+        torch.mps.empty_cache()
 
 
 # ---- the decision ----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import copy
 import functools
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import lightning as L
@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch import Tensor, nn
 
+from .autofit import forget_failed_pass, free_device_memory, is_out_of_memory
 from .checkpoints import check_dit_weights, infer_dit_config, load_dit_weights, read_checkpoint, strip_prefix
 from .diffusion import create_diffusion
 from .diffusion.gaussian_diffusion import ModelFn
@@ -366,20 +367,102 @@ class DiTModule(L.LightningModule):
             terms = self.diffusion.training_losses(net, x, t, model_kwargs=kwargs, noise=noise)
         return {k: v.mean() for k, v in terms.items()}
 
-    # auto-fit's out-of-memory recovery (dit_lightning.callbacks.autofit.AutoFit) sets this, with
-    # automatic_optimization off: it runs the step itself, split and redone by the setting in force
-    step_runner: Optional[Any] = None
+    # ---- the training step: one home for plain runs, auto-fit's back-off and distillation ----------
+    # The setting in force, put there by auto-fit (dit_lightning.callbacks.autofit.AutoFit) when it may
+    # redo steps: each batch (this rank's share of an optimiser step) is split into micro-batches of
+    # ``micro_batch_size`` samples, and ``out_of_memory_handler(failure, step)`` is told of an
+    # out-of-memory error before the step is redone (it changes the setting, or raises to give up).
+    micro_batch_size: Optional[int] = None
+    out_of_memory_handler: Optional[Callable[[str, int], None]] = None
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        if self.step_runner is not None:
-            return self.step_runner.training_step(self, batch, batch_idx)
-        terms = self.diffusion_loss(self.model, batch, self.global_step, train=True)
-        bs = batch["x"].shape[0]
-        self.log("train/loss", terms["loss"], prog_bar=True, sync_dist=True, batch_size=bs)
-        if "vb" in terms:
-            self.log("train/mse", terms["mse"], sync_dist=True, batch_size=bs)
-            self.log("train/vb", terms["vb"], sync_dist=True, batch_size=bs)
+    def training_losses(self, batch: dict[str, Tensor], step: int) -> dict[str, Tensor]:
+        """The objective of one (micro-)batch at optimiser step ``step``: ``loss`` and the terms to log
+        (subclasses change the objective here, e.g. distillation; the step around it stays)."""
+        return self.diffusion_loss(self.model, batch, step, train=True)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Union[Tensor, dict[str, Tensor]]:
+        """One (micro-)batch of the optimiser step: Lightning accumulates, reduces the gradients (DDP's
+        buckets, FSDP's reduce-scatter), clips, scales (16-mixed), steps the optimiser and the schedule,
+        and :meth:`optimizer_step` updates the EMA. Under auto-fit's recovery the batch is the whole
+        step and is split by the setting in force; an out-of-memory error redoes it (:meth:`_redoable_step`)."""
+        n = int(batch["x"].shape[0])
+        if self.out_of_memory_handler is not None:
+            terms = self._redoable_step(batch, self.out_of_memory_handler)
+            self._log_training_terms(terms, n)
+            # the gradients are complete: this loss only lets Lightning's backward pass reduce them
+            return {"loss": self._gradient_reduction_loss(), "step_loss": terms["loss"]}
+        terms = self.training_losses(batch, self.global_step)
+        self._log_training_terms(terms, n)
         return terms["loss"]
+
+    def _log_training_terms(self, terms: dict[str, Tensor], batch_size: int) -> None:
+        self.log("train/loss", terms["loss"], prog_bar=True, sync_dist=True, batch_size=batch_size)
+        for name, value in terms.items():
+            if name != "loss" and not (name == "mse" and "vb" not in terms):  # without vb, mse is the loss
+                self.log(f"train/{name}", value, sync_dist=True, batch_size=batch_size)
+
+    def _redoable_step(self, batch: dict[str, Tensor], handler: Callable[[str, int], None]) -> dict[str, Tensor]:
+        """Forward and backward passes of every micro-batch of the step, redone with the setting the
+        handler puts in force after an out-of-memory error: the same samples, keyed timesteps, noise and
+        label dropout (keyed on the step and the sample index, not on the split), so the trajectory is
+        that of a run started with the safer setting. The gradients stay local (``no_sync``) until
+        every rank has finished: with several ranks one collective says whether any ran out of memory,
+        so all redo the step together and none waits in a reduction another never joins."""
+        trainer = self.trainer
+        strategy = trainer.strategy
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)
+        step, n = self.global_step, int(batch["x"].shape[0])
+        while True:
+            micro = self.micro_batch_size or n
+            if n % micro:
+                raise ValueError(f"this rank's batch of {n} does not split into micro-batches of {micro}")
+            parts = n // micro
+            optimizer.zero_grad(set_to_none=True)  # Lightning zeroes only before its own backward pass
+            failure: Optional[str] = None
+            sums: dict[str, Tensor] = {}
+            for j in range(parts):
+                part = {k: v[j * micro : (j + 1) * micro] for k, v in batch.items()}
+                try:
+                    with _no_sync(strategy):
+                        terms = self.training_losses(part, step)
+                        strategy.backward(terms["loss"] / parts, optimizer.optimizer)  # the precision plugin scales it
+                    for k, v in terms.items():
+                        sums[k] = sums[k] + v.detach() if k in sums else v.detach()
+                    del terms
+                except Exception as error:  # out of memory on any device kind; anything else is raised
+                    if not is_out_of_memory(error):
+                        raise
+                    failure = f"{str(error).splitlines()[0][:160]} (micro-batch {j + 1} of {parts})"
+                    forget_failed_pass(error)  # its frames hold the failed pass's activations
+                    break
+                finally:
+                    part = {}
+            failed = _first_failed_rank(trainer, failure is not None)
+            if failed < 0:
+                self._step_accumulated = True
+                return {k: v / parts for k, v in sums.items()}
+            sums.clear()
+            optimizer.zero_grad(set_to_none=True)
+            free_device_memory(self.device)  # the safer split allocates anew
+            handler(failure or f"rank {failed} ran out of memory", step)
+
+    def _gradient_reduction_loss(self) -> Tensor:
+        """A loss of value 0 whose backward pass adds zeros to every trainable parameter's gradient:
+        through it, Lightning's backward lets the strategy reduce the gradients accumulated by
+        :meth:`_redoable_step` (DDP all-reduces its buckets) with the usual hooks and precision."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.trainer.world_size == 1:
+            params = params[:1]  # nothing to reduce: one parameter keeps the backward pass trivial
+        return torch.stack([p.view(-1)[0] for p in params]).sum() * 0.0
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        # Lightning zeroes the gradients between training_step and its backward pass: a redoable step
+        # has accumulated them inside training_step already, and they must stay.
+        if getattr(self, "_step_accumulated", False):
+            self._step_accumulated = False
+            return
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def _eval_step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
         terms = self.diffusion_loss(self.eval_model, batch, _VAL_STEP_KEY, train=False)
@@ -409,10 +492,6 @@ class DiTModule(L.LightningModule):
                 norm = norm / pending
             if norm is not None:
                 self.log("train/grad_norm", norm, batch_size=1)
-        if not self.automatic_optimization and self._trainer is not None:
-            # auto-fit's manual steps: Lightning clips only automatic ones, so clip here (after the norm above)
-            trainer = self.trainer
-            self.configure_gradient_clipping(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
 
     def configure_gradient_clipping(
         self,
@@ -513,3 +592,23 @@ class DiTModule(L.LightningModule):
                 self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
             )
         return decode_latents(latents, vae, scale_factor)
+
+
+@contextlib.contextmanager
+def _no_sync(strategy: Any) -> Iterator[None]:
+    """Keep gradients local for a pass (DDP's ``no_sync``); a no-op for one device."""
+    if strategy.world_size > 1 and hasattr(strategy, "block_backward_sync"):
+        with strategy.block_backward_sync():
+            yield
+    else:
+        yield
+
+
+def _first_failed_rank(trainer: Any, failed: bool) -> int:
+    """The lowest rank whose attempt failed (-1: none), known to every rank: one collective, and only
+    with several ranks (one device knows its own out-of-memory error without asking)."""
+    if trainer.world_size <= 1:
+        return 0 if failed else -1
+    mine = float(trainer.world_size - trainer.global_rank if failed else 0)  # max picks the lowest failed rank
+    top = float(trainer.strategy.reduce(torch.tensor(mine, device=trainer.strategy.root_device), reduce_op="max"))
+    return int(trainer.world_size - top) if top > 0 else -1

@@ -162,3 +162,60 @@ def test_teacher_follows_the_students_device_and_precision(teacher_ckpt):
             student.model, {**batch(), "x": batch()["x"].bfloat16()}, step_key=0, train=True
         )
     assert torch.isfinite(terms["loss"])
+
+
+class OutOfMemoryAbove(L.Callback):
+    """A device that cannot hold a forward pass of more than ``limit`` samples from ``from_step`` on."""
+
+    def __init__(self, limit: int, from_step: int) -> None:
+        self.limit, self.from_step, self.raised = limit, from_step, 0
+
+    def setup(self, trainer, pl_module, stage):
+        def check(_module, args):
+            if trainer.global_step >= self.from_step and args[0].shape[0] > self.limit:
+                self.raised += 1
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        pl_module.model.blocks[0].register_forward_pre_hook(check)
+
+
+def test_distillation_backs_off_under_auto_fit_and_follows_the_plain_trajectory(teacher_ckpt, store):
+    """Distillation runs DiTModule's own step: auto-fit's out-of-memory recovery redoes a step of it
+    with a smaller micro-batch, and the run matches plain Lightning accumulation with that split."""
+    from dit_lightning.callbacks.autofit import AutoFit
+    from dit_lightning.data import LatentDataModule
+
+    path, _ = teacher_ckpt
+
+    def train(callbacks, accumulate):
+        L.seed_everything(0, verbose=False)
+        dm = LatentDataModule(store, global_batch_size=32, num_workers=0, val_size=64, random_flip=False)
+        student = DistillationModule(teacher=path, **SMALL, ema_decay=0.9, alpha_feature=1.0, feature_pairs=[[0, 1]])
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=4,
+            accumulate_grad_batches=accumulate,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=callbacks,
+        )
+        trainer.fit(student, dm)
+        return student
+
+    device = OutOfMemoryAbove(limit=16, from_step=2)
+    fit = AutoFit(enabled=False, oom_recovery=True)
+    backed_off = train([device, fit], 1)
+    assert device.raised >= 1 and fit.backoffs >= 1 and fit.setting.micro_batch <= 16
+    assert fit.history[0]["step"] == 2
+    plain = train([], 32 // fit.setting.micro_batch)
+    for a, b in [
+        (backed_off.model, plain.model),
+        (backed_off.ema, plain.ema),
+        (backed_off.feature_proj, plain.feature_proj),
+    ]:
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert (p - q).abs().max().item() <= 1e-6

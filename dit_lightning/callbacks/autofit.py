@@ -6,21 +6,25 @@ out-of-memory errors by redoing the step with a safer setting (:mod:`dit_lightni
 
 **How a step is redone.** With recovery on, the run trains in *step mode*: the data module hands
 each rank its whole share of an optimiser step (global batch / devices samples: the Trainer's
-``accumulate_grad_batches`` is 1) and :meth:`AutoFit.training_step` (called by
-``DiTModule.training_step``; the module uses manual optimisation) splits it into micro-batches of
-the setting in force, runs their forward and backward passes, and only then steps the optimiser.
-When a micro-batch raises an out-of-memory error, nothing has changed yet but the gradients: they
-are dropped, the failed pass's memory is freed, the setting moves to the next safer one, and the
-same samples are split again and the step is redone. The step counter, the samples, their keyed
-timesteps / noise / label dropout (keyed on the step and the sample index, not on the split), the
-optimiser state, the EMA and the learning-rate schedule are those of the step that failed, so the
-trajectory is that of a run started with the safer setting, up to float reassociation.
+``accumulate_grad_batches`` is 1), and the callback puts the setting in force on the module
+(``DiTModule.micro_batch_size``) and hands it the back-off (``DiTModule.out_of_memory_handler``). The
+step itself is the module's own (``DiTModule.training_step``, the one training step of every run):
+it splits the batch into micro-batches, runs their forward and backward passes, and when one raises
+an out-of-memory error, nothing has changed yet but the gradients: they are dropped, the failed
+pass's memory is freed, this callback moves the setting to the next safer one, and the module
+splits the same samples again and redoes the step. Lightning then reduces the gradients through
+the strategy, clips, steps the optimiser and the schedule, and the module updates the EMA, exactly
+as in a run without auto-fit. The step counter, the samples, their keyed timesteps / noise / label
+dropout (keyed on the step and the sample index, not on the split), the optimiser state, the EMA
+and the learning-rate schedule are those of the step that failed, so the trajectory is that of a
+run started with the safer setting, up to float reassociation.
 
-Under DDP every backward pass runs without DDP's gradient hooks (``no_sync``); after the last
-micro-batch one collective tells every rank whether any rank ran out of memory (so they all back
-off together, to the same setting, and none waits in a collective another rank never joins), and
-only then are the gradients all-reduced. (This gives up DDP's overlap of the all-reduce with the
-backward pass.) FSDP shards its gradients inside the backward pass, so recovery is not available
+Under DDP every micro-batch's backward pass keeps its gradients local (``no_sync``); after the last
+one, one collective tells every rank whether any rank ran out of memory (so they all back off
+together, to the same setting, and none waits in a reduction another rank never joins), and only
+then does DDP all-reduce the gradients, through its own buckets. (This gives up DDP's overlap of
+the all-reduce with the backward pass, and reads one flag per step on the host; on one device
+neither happens.) FSDP shards its gradients inside the backward pass, so recovery is not available
 there (the choice at start is).
 
 The setting in force, the number of back-offs and what happened are the callback's state in every
@@ -31,11 +35,8 @@ auto-fit too (with the recorded setting).
 
 from __future__ import annotations
 
-import contextlib
-import gc
+import functools
 import os
-import traceback
-import warnings
 import zlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional, Union, cast
@@ -44,7 +45,6 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
-from torch import Tensor
 
 from ..autofit import (
     AutoFitConfig,
@@ -55,11 +55,9 @@ from ..autofit import (
     cuda_budget,
     decide,
     device_gpu_spec,
-    is_out_of_memory,
     next_faster,
     next_safer,
 )
-from ..distributed.ops import all_reduce_gradients, ema_update_
 from ..models import DiTShape
 from ..planner.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES, GiB
 from ..precision import lightning_precision, to_dtype
@@ -313,10 +311,6 @@ class AutoFit(L.Callback):
         if obstacle and self.config.oom_recovery:
             raise ValueError(f"--auto_fit.oom_recovery true cannot run here: {obstacle}")
         self.step_mode = self.config.recovery and obstacle is None
-        if self.step_mode:
-            # Lightning's advice for manual optimisation does not apply: checkpoints hold the state after
-            # a step, as in every run
-            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
         if obstacle and self.config.recovery:
             _say(trainer, f"auto-fit: out-of-memory recovery is off: {obstacle}")
 
@@ -395,6 +389,8 @@ class AutoFit(L.Callback):
         spec = self.problem._checkpoint_arg(setting)
         module.model.set_activation_checkpointing(spec)
         module.hparams["activation_checkpointing"] = spec if not isinstance(spec, tuple) else list(spec)
+        if self.step_mode:  # the module's step splits each batch by the setting in force
+            module.micro_batch_size = setting.micro_batch
         self.setting = setting
         self._since_change = 0
         if self.probe is not None:
@@ -408,21 +404,13 @@ class AutoFit(L.Callback):
             if dm is not None and hasattr(dm, "setup"):
                 dm.setup("fit")  # the per-rank batch follows the accumulation
         if self.step_mode:
-            module.automatic_optimization = False
-            module.step_runner = self
+            module.out_of_memory_handler = functools.partial(self._back_off, trainer, module)
             if dm is not None and getattr(dm, "val_batch_size", 0) is None:
                 dm.val_batch_size = setting.micro_batch  # validation keeps the planned micro-batch
         if self.probe is None and trainer.strategy.root_device.type == "cuda":
             self.probe = MemoryProbe(trainer.strategy.root_device, trainer.world_size)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.step_mode:
-            for config in trainer.lr_scheduler_configs:
-                if config.reduce_on_plateau:
-                    raise ValueError(
-                        "auto-fit's out-of-memory recovery steps the learning-rate schedule itself and cannot feed "
-                        "ReduceLROnPlateau its metric: use another schedule or --auto_fit.oom_recovery false"
-                    )
         if self._loaded is not None:
             self._restore(trainer, pl_module)
         if self.config.speed_up_after and (self.probe is None or not self.step_mode):
@@ -478,96 +466,7 @@ class AutoFit(L.Callback):
         self._apply(trainer, module, recorded)
         _say(trainer, f"auto-fit: resumed with the checkpoint's setting: {recorded.label(trainer.world_size)}")
 
-    # ---- the step ----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _no_sync(self, trainer: L.Trainer) -> Iterator[None]:
-        if trainer.world_size > 1 and hasattr(trainer.strategy, "block_backward_sync"):
-            with trainer.strategy.block_backward_sync():
-                yield
-        else:
-            yield
-
-    def training_step(self, module: DiTModule, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """One optimiser step on this rank's share of the global batch, split by the setting in force
-        and redone with a safer setting after an out-of-memory error (see the module docstring)."""
-        trainer = module.trainer
-        optimizer = module.optimizers()
-        assert not isinstance(optimizer, list) and self.setting is not None
-        n = int(batch["x"].shape[0])
-        step = trainer.global_step
-        while True:
-            setting = self.setting
-            if n % setting.micro_batch:
-                raise ValueError(
-                    f"auto-fit: this rank's batch of {n} does not split into micro-batches of {setting.micro_batch}"
-                )
-            parts = n // setting.micro_batch
-            failure: Optional[str] = None
-            sums: dict[str, Tensor] = {}
-            for j in range(parts):
-                micro = {k: v[j * setting.micro_batch : (j + 1) * setting.micro_batch] for k, v in batch.items()}
-                try:
-                    with self._no_sync(trainer):
-                        terms = module.diffusion_loss(module.model, micro, step, train=True)
-                        module.manual_backward(terms["loss"] / parts)
-                    for k, v in terms.items():
-                        sums[k] = sums[k] + v.detach() if k in sums else v.detach()
-                    terms = {}
-                except Exception as error:  # an out-of-memory error of any device kind; anything else is raised
-                    if not is_out_of_memory(error):
-                        raise
-                    terms, micro = {}, {}
-                    failure = f"{str(error).splitlines()[0][:160]} (micro-batch {j + 1} of {parts})"
-                    _forget(error)
-                    break
-            failed = _first_failed_rank(trainer, failure is not None)  # one collective: every rank hears of it
-            if failed < 0:
-                break
-            sums.clear()
-            optimizer.zero_grad(set_to_none=True)
-            _free_memory(trainer.strategy.root_device)
-            self._back_off(trainer, module, failure or f"rank {failed} ran out of memory", step)
-        if trainer.world_size > 1:
-            all_reduce_gradients(module.model.parameters(), trainer.world_size)
-        try:
-            optimizer.step()
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            # Not redone: the update may be partly applied. (The optimiser step's peak does not depend on
-            # the micro-batch, so a safer split would not help it either.)
-            raise RuntimeError(
-                f"auto-fit: out of memory inside the optimiser step of global step {step}, after its gradients were "
-                "complete: the weights may be partly updated, so the step is not redone. Resume from the last "
-                "checkpoint (--ckpt_path last) on a device with more free memory, or with --model.ema false / "
-                f"a fused optimiser ({str(error).splitlines()[0][:160]})"
-            ) from None
-        optimizer.zero_grad(set_to_none=True)
-        if module.ema is not None:  # the decay of the step that was taken (global_step has moved on)
-            ema_update_(module.ema, module.model, 1.0 - module.ema_decay_at(step))
-        self._step_schedulers(trainer, module, step)
-        means = {k: v / parts for k, v in sums.items()}
-        module.log("train/loss", means["loss"], prog_bar=True, sync_dist=True, batch_size=n)
-        if "vb" in means:
-            module.log("train/mse", means["mse"], sync_dist=True, batch_size=n)
-            module.log("train/vb", means["vb"], sync_dist=True, batch_size=n)
-        self._log_setting(module)
-        self._after_step(trainer, module)
-        return means["loss"]
-
-    def _step_schedulers(self, trainer: L.Trainer, module: Any, step: int) -> None:
-        """Step-interval schedules after optimiser step ``step``, as Lightning's automatic loop does."""
-        for config in trainer.lr_scheduler_configs:
-            if config.interval == "step" and step % config.frequency == 0:
-                module.lr_scheduler_step(config.scheduler, None)
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.step_mode:
-            return
-        for config in trainer.lr_scheduler_configs:
-            if config.interval == "epoch" and trainer.current_epoch % config.frequency == 0:
-                pl_module.lr_scheduler_step(config.scheduler, None)
-
+    # ---- after each step ------------------------------------------------------------------------
     def _log_setting(self, module: Any) -> None:
         s = self.setting
         assert s is not None
@@ -580,8 +479,11 @@ class AutoFit(L.Callback):
             module.log(f"auto_fit/{name}", float(value), on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if not self.step_mode and self.setting is not None and self.config.enabled:
-            self._log_setting(pl_module)
+        if self.setting is None or not (self.step_mode or self.config.enabled):
+            return
+        self._log_setting(pl_module)
+        if self.step_mode:
+            self._after_step(trainer, pl_module)
 
     # ---- back off, speed up, give up -------------------------------------------------------------
     def _back_off(self, trainer: L.Trainer, module: Any, failure: str, step: int) -> None:
@@ -707,7 +609,6 @@ class AutoFit(L.Callback):
                 progress[part]["processed"] = progress[part]["completed"]
         # A step-mode batch is an optimiser step: write the counters a plain run with this setting keeps.
         _rescale_batches(loops, 1, self.setting.accumulate_grad_batches)
-        _sync_optimizer_steps(loops, to_manual=False)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         loops = (checkpoint.get("loops") or {}).get("fit_loop")
@@ -718,17 +619,11 @@ class AutoFit(L.Callback):
         target = 1 if self.step_mode else int(trainer.accumulate_grad_batches)
         if saved:
             _rescale_batches(loops, int(saved), target)
-        if self.step_mode:
-            _sync_optimizer_steps(loops, to_manual=True)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit" and getattr(pl_module, "step_runner", None) is self:
-            # back to automatic optimisation, whose step counter global_step will read from now on
-            epoch_loop = trainer.fit_loop.epoch_loop
-            steps = epoch_loop.manual_optimization.optim_step_progress.state_dict()
-            epoch_loop.automatic_optimization.optim_progress.optimizer.step.load_state_dict(steps)
-            pl_module.automatic_optimization = True
-            cast(Any, pl_module).step_runner = None
+        if stage == "fit" and self.step_mode:  # the module trains as configured again (e.g. a later fit)
+            module = cast(Any, pl_module)
+            module.micro_batch_size = module.out_of_memory_handler = None
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
@@ -741,35 +636,6 @@ def _precision_name(trainer: L.Trainer) -> str:
 
 def _gib(n: Union[int, float]) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB // 4 else f"{n / 1024**2:.2f} MiB"
-
-
-def _first_failed_rank(trainer: L.Trainer, failed: bool) -> int:
-    """The lowest rank whose attempt failed (-1: none), known to every rank."""
-    if trainer.world_size <= 1:
-        return 0 if failed else -1
-    mine = float(trainer.world_size - trainer.global_rank if failed else 0)  # max picks the lowest failed rank
-    top = float(trainer.strategy.reduce(torch.tensor(mine, device=trainer.strategy.root_device), reduce_op="max"))
-    return int(trainer.world_size - top) if top > 0 else -1
-
-
-def _forget(error: BaseException) -> None:
-    """Drop what an exception keeps alive: the frames of the failed forward / backward pass hold its
-    activations (clearing them frees the memory before the step is redone)."""
-    tb = error.__traceback__
-    if tb is not None:
-        traceback.clear_frames(tb)
-    error.__traceback__ = None
-    error.__context__ = error.__cause__ = None
-
-
-def _free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # return the failed pass's cached blocks: the safer split allocates anew
-        torch.cuda.reset_peak_memory_stats(device)
-    elif device.type == "mps" and hasattr(torch, "mps"):
-        torch.mps.empty_cache()
 
 
 def _counts(progress: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
@@ -795,21 +661,6 @@ def _rescale_batches(loops: dict[str, Any], from_accumulation: int, to_accumulat
     for field in ("ready", "started", "processed", "completed"):
         if field in progress.get("total", {}):
             progress["total"][field] += progress["current"][field] - current[field]
-
-
-def _sync_optimizer_steps(loops: dict[str, Any], to_manual: bool) -> None:
-    """Lightning counts optimiser steps apart for automatic and manual optimisation (global_step reads
-    the one in use): keep both equal, so either kind of run resumes at the right step."""
-    auto = loops.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step")
-    manual = loops.get("epoch_loop.manual_optimization.optim_step_progress")
-    if not auto or not manual:
-        return
-    source, target = (auto, manual) if to_manual else (manual, auto)
-    if target["total"]["completed"] >= source["total"]["completed"]:
-        return
-    for part in ("total", "current"):
-        for field in ("ready", "completed"):
-            target[part][field] = source[part][field]
 
 
 def _accumulation_of_data_state(loops: dict[str, Any], problem: Optional[FitProblem]) -> Optional[int]:

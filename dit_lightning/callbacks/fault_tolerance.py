@@ -13,6 +13,13 @@ lost rank named instead of a hang.
 - **Non-finite losses.** A NaN / inf training loss (on any rank) stops the run with a clear error
   after ``nonfinite_patience`` further such steps (default: at the first); and no checkpoint is
   ever written from weights holding NaN / inf, so a good ``last.ckpt`` is never overwritten.
+
+The step is never stalled for these checks: the loss is watched on the device (no host read), and
+what it saw is read once per ``check_every_n_steps`` optimiser steps (default: the Trainer's
+``log_every_n_steps``, when Lightning reads its metrics anyway), before every checkpoint and at the
+end; a NaN is reported at the step where it happened. A signal is seen at once by one process; in a
+multi-process run the ranks agree on it in that same read (one small all-reduce), so they stop
+together at most ``check_every_n_steps`` steps after it arrived.
 - **Outputs.** Before the first step (or the first sample of ``test`` / ``predict``) every
   directory the run will write (checkpoints, logs, sample grid, metrics file, predictions) is
   created and tried with a temporary file: an unwritable one fails now, not at the first save.
@@ -42,9 +49,11 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 
 from ..atomic import NotWritableError, check_writable
 from ..distributed.sharding import is_sharded
+from .throughput import log_every_n_steps
 
 # The signals that stop a run cleanly, and what a user reads for them.
 _SIGNALS: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGUSR1: "SIGUSR1"}
@@ -260,6 +269,37 @@ _COMMUNICATION_ERRORS = ("Connection reset", "Connection closed", "Broken pipe",
 # --------------------------------------------------------------------------------------------
 
 
+_FALLBACK_CHECK_STEPS = 50  # when the Trainer logs nothing (log_every_n_steps=0)
+
+
+class NonFiniteWatch:
+    """Consecutive optimiser steps with a NaN / inf loss, counted on the loss's device without a
+    host read: ``state()`` is (step at which the run exceeded the patience or -1, first step of that
+    run, its length), read by :class:`FaultTolerance` at its cadence."""
+
+    def __init__(self, device: torch.device, patience: int) -> None:
+        self.patience = patience
+        self._bad = torch.zeros((), dtype=torch.bool, device=device)  # a bad micro-batch in this step
+        self._run = torch.zeros((), dtype=torch.long, device=device)  # bad steps in a row
+        self._since = torch.zeros((), dtype=torch.long, device=device)
+        self._stopped = torch.full((3,), -1, dtype=torch.long, device=device)
+
+    def see(self, loss: Tensor) -> None:
+        self._bad |= ~torch.isfinite(loss).all()
+
+    def step_ended(self, step: int) -> None:
+        bad = self._bad
+        self._run = torch.where(bad, self._run + 1, torch.zeros_like(self._run))
+        self._since = torch.where(bad & (self._run == 1), torch.full_like(self._since, step), self._since)
+        tripped = (self._run > self.patience) & (self._stopped[0] < 0)
+        now = torch.stack([torch.full_like(self._run, step), self._since, self._run])
+        self._stopped = torch.where(tripped, now, self._stopped)
+        self._bad = torch.zeros_like(bad)
+
+    def state(self) -> Tensor:
+        return self._stopped
+
+
 class FaultTolerance(L.Callback):
     """Checkpoint on SIGTERM / SIGINT / SIGUSR1, stop on non-finite losses, never save non-finite
     weights, check every output location before work, and name a lost rank (module docstring).
@@ -271,6 +311,8 @@ class FaultTolerance(L.Callback):
         check_outputs: create and try every output directory before the first step.
         peer_timeout: seconds without a heartbeat after which a rank counts as lost.
         heartbeat_interval: seconds between heartbeats (multi-process runs only; 0: no watchdog).
+        check_every_n_steps: optimiser steps between the reads of the non-finite watch and (several
+            ranks) the agreement on signals; None: the Trainer's ``log_every_n_steps``.
     """
 
     def __init__(
@@ -280,22 +322,26 @@ class FaultTolerance(L.Callback):
         check_outputs: bool = True,
         peer_timeout: float = 120.0,
         heartbeat_interval: float = 1.0,
+        check_every_n_steps: Optional[int] = None,
     ) -> None:
         if nonfinite_patience < 0:
             raise ValueError(f"nonfinite_patience must be >= 0, got {nonfinite_patience}")
         if peer_timeout <= 0 or heartbeat_interval < 0:
             raise ValueError("peer_timeout must be > 0 and heartbeat_interval >= 0")
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(
+                f"check_every_n_steps must be >= 1 (or null: the logging cadence), got {check_every_n_steps}"
+            )
         self.signals = signals
         self.nonfinite_patience = nonfinite_patience
         self.check_outputs = check_outputs
         self.peer_timeout = peer_timeout
         self.heartbeat_interval = heartbeat_interval
+        self.check_every_n_steps = check_every_n_steps
         self._signum: Optional[int] = None
         self._previous: dict[int, Any] = {}
         self._installed: dict[int, Any] = {}
-        self._nonfinite_local = False
-        self._nonfinite_steps = 0
-        self._first_nonfinite_step: Optional[int] = None
+        self._watch: Optional[NonFiniteWatch] = None
         self._watchdog: Optional[PeerWatchdog] = None
         self._checked: set[str] = set()
         self._generation = 0
@@ -303,7 +349,7 @@ class FaultTolerance(L.Callback):
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._checked.clear()
-        self._nonfinite_steps, self._first_nonfinite_step, self._nonfinite_local = 0, None, False
+        self._watch = None
         self._generation += 1
         if _distributed(trainer) and self.heartbeat_interval > 0 and self._watchdog is None:
             store = None
@@ -466,32 +512,43 @@ class FaultTolerance(L.Callback):
                 signal.signal(signum, self._previous.get(signum) or signal.SIG_DFL)
         self._installed.clear()
 
-    # ---- every optimiser step --------------------------------------------------------------
+    # ---- every optimiser step ----------------------------------------------------------------
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if torch.is_tensor(loss) and not bool(torch.isfinite(loss.detach()).all()):
-            self._nonfinite_local = True
+        if isinstance(outputs, Mapping):  # a redoable step returns its loss apart ("loss" only reduces gradients)
+            loss = outputs.get("step_loss", outputs.get("loss"))
+        else:
+            loss = outputs
+        if torch.is_tensor(loss):
+            if self._watch is None:
+                self._watch = NonFiniteWatch(loss.device, self.nonfinite_patience)
+            self._watch.see(loss.detach())
         if not _is_step_end(trainer):
             return
-        flags = torch.tensor(
-            [float(self._signum or 0), float(self._nonfinite_local)], device=trainer.strategy.root_device
-        )
+        if self._watch is not None:
+            self._watch.step_ended(trainer.global_step)
+        several = _distributed(trainer)
+        every = self.check_every_n_steps or log_every_n_steps(trainer) or _FALLBACK_CHECK_STEPS
+        if trainer.global_step % every == 0 or (self._signum and not several):
+            self._check(trainer)
+
+    def _check(self, trainer: L.Trainer) -> None:
+        """Read the non-finite watch and (several ranks) agree on signals: the one host read of the step."""
+        watch = self._watch.state() if self._watch is not None else torch.full((3,), -1.0)
+        flags = torch.cat([torch.tensor([float(self._signum or 0)], device=watch.device), watch.float()])
         if _distributed(trainer):  # every rank decides the same, or a collective would hang
+            flags = flags.to(trainer.strategy.root_device)
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        signum, nonfinite = int(flags[0].item()), bool(flags[1].item())
-        self._nonfinite_local = False
-        if nonfinite:
-            self._nonfinite_steps += 1
-            if self._first_nonfinite_step is None:
-                self._first_nonfinite_step = trainer.global_step
-            if self._nonfinite_steps > self.nonfinite_patience:
-                raise NonFiniteLossError(self._nonfinite_message(trainer))
-        else:
-            self._nonfinite_steps, self._first_nonfinite_step = 0, None
+        signum, stopped_at, since, run = (int(v) for v in flags.tolist())
+        if stopped_at >= 0:
+            raise NonFiniteLossError(self._nonfinite_message(trainer, stopped_at, since, run))
         if signum:
             self._save_and_exit(trainer, signum)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._watch is not None:  # a NaN in the steps since the last read
+            self._check(trainer)
 
     def _last_good(self, trainer: L.Trainer) -> str:
         cb = trainer.checkpoint_callback
@@ -504,12 +561,11 @@ class FaultTolerance(L.Callback):
             return f"the last checkpoint, {path}, was written before and is kept"
         return "no checkpoint was written"
 
-    def _nonfinite_message(self, trainer: L.Trainer) -> str:
-        steps = self._nonfinite_steps
+    def _nonfinite_message(self, trainer: L.Trainer, step: int, since: int, steps: int) -> str:
         lr = [g.get("lr") for o in trainer.optimizers for g in o.param_groups][:1]
         return (
-            f"the training loss is NaN or inf at step {trainer.global_step}"
-            + (f" ({steps} steps in a row, since step {self._first_nonfinite_step})" if steps > 1 else "")
+            f"the training loss is NaN or inf at step {step}"
+            + (f" ({steps} steps in a row, since step {since})" if steps > 1 else "")
             + f": training stopped; {self._last_good(trainer)}. Usual causes: non-finite values in the store "
             "(check it with `dit-lightning verify --path <data.path>`), a learning rate too high "
             f"(now {lr[0] if lr else '?'}), or fp16 overflow (bf16-mixed or 32-true avoid it). To tolerate a few such "
@@ -541,6 +597,8 @@ class FaultTolerance(L.Callback):
 
     # ---- checkpoints -----------------------------------------------------------------------
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._watch is not None and trainer.state.fn == "fit":
+            self._watch_before_save(trainer)
         finite = True
         for p in pl_module.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p  # DTensor shards under FSDP2
@@ -555,6 +613,18 @@ class FaultTolerance(L.Callback):
                 f"({self._last_good(trainer)}). The run diverged: check the store with `dit-lightning verify`, "
                 "lower the learning rate, or avoid fp16."
             )
+
+    def _watch_before_save(self, trainer: L.Trainer) -> None:
+        """A NaN loss since the last read stops the run before its checkpoint is written (the read
+        costs nothing extra here: writing a checkpoint waits for the device anyway)."""
+        assert self._watch is not None
+        state = self._watch.state()
+        if _distributed(trainer):
+            state = state.float().to(trainer.strategy.root_device)
+            torch.distributed.all_reduce(state, op=torch.distributed.ReduceOp.MAX)
+        stopped_at, since, run = (int(v) for v in state.tolist())
+        if stopped_at >= 0:
+            raise NonFiniteLossError(self._nonfinite_message(trainer, stopped_at, since, run))
 
     # ---- a rank lost -----------------------------------------------------------------------
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

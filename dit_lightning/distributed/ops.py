@@ -92,27 +92,6 @@ def grad_norm(parameters: Iterable[Tensor], strategy: Any = None) -> Optional[Te
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
 
-@torch.no_grad()
-def all_reduce_gradients(params: Iterable[nn.Parameter], world_size: int) -> None:
-    """Average the gradients of replicated parameters over all ranks, in place: what DDP's hooks do
-    in the backward pass, done afterwards (auto-fit's recovery runs every backward pass under
-    ``no_sync`` and reduces only once every rank has finished its micro-batches). A parameter
-    without a gradient on this rank counts as zeros."""
-    grads = []
-    for p in params:
-        if not p.requires_grad:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    works = [dist.all_reduce(g, async_op=True) for g in grads]
-    for work in works:
-        if work is not None:
-            work.wait()
-    if grads:
-        torch._foreach_div_(grads, float(world_size))
-
-
 def clip_gradients(
     pl_module: Any, optimizer: Any, gradient_clip_val: Optional[float], gradient_clip_algorithm: Optional[str]
 ) -> None:
