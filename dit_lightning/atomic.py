@@ -9,8 +9,19 @@ rename itself survives a power cut. Files get the permissions a plain ``open`` w
 (``0o666`` minus the process's umask, read once when this module is imported), not
 ``mkstemp``'s ``0o600``: checkpoints and stores are shared.
 
-Temporary files are named ``.<name>.<8 random characters>.tmp`` (``mkstemp``'s names);
-:func:`remove_stale_temporaries` deletes those a killed process left behind, and nothing else.
+Whole directories (a diffusers export, a sharded checkpoint, a store) are replaced the same way by
+:func:`replace_directory`: built beside the target, fsync'ed, renamed into place; an existing
+target is first moved aside and deleted once its successor is in place. A kill between those two
+renames leaves the old copy beside the missing target: :func:`recover_directory` (which every
+replacement runs first) puts it back, so one complete copy always exists. Directories get the mode
+of a plain ``mkdir`` (``0o777`` minus the umask), not ``mkdtemp``'s ``0o700``. Symbolic links are
+re-pointed atomically by :func:`replace_symlink`. This module is the only one that renames paths.
+
+Temporary files, links and directories are named ``.<name>.<8 random characters>.tmp``
+(``mkstemp``'s names); :func:`remove_stale_temporaries` deletes those a killed process left
+behind, and nothing else. A copy moved aside during a replacement is
+``.<name>.<8 random characters>.old``: not a temporary (it may be the only complete copy), it is
+left to :func:`recover_directory`.
 
 A write that fails because the disk (or the quota) is full raises :class:`OutOfSpaceError` naming
 the directory, the free space and the fix, whatever library was writing (``torch.save`` reports
@@ -25,21 +36,29 @@ import errno
 import json
 import os
 import re
+import secrets
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Union
+from typing import IO, Any, Optional, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 TMP_SUFFIX = ".tmp"
 # what tempfile.mkstemp(prefix=".<name>.", suffix=".tmp") creates: 8 characters of [a-z0-9_]
 _TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+_RANDOM_CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789_"  # tempfile's alphabet
+# a target moved aside by replace_directory until its successor is in place
+OLD_SUFFIX = ".old"
+_MOVED_ASIDE = re.compile(r"^\.(.+)\.[a-z0-9_]{8}\.old$")
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# what renaming a directory onto an existing entry raises (a non-empty directory, a file; on Windows any entry)
+_TAKEN = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
 
 
 class OutOfSpaceError(OSError):
@@ -127,13 +146,14 @@ def check_writable(directory: PathLike, what: str = "output directory", fix: str
     return Path(d)
 
 
-def _file_mode() -> int:
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
 
 
-_MODE = _file_mode()
+_MODE = 0o666 & ~_umask()  # a plain open's files
+_DIR_MODE = 0o777 & ~_umask()  # a plain mkdir's directories
 
 
 def fsync_dir(path: PathLike) -> None:
@@ -232,11 +252,206 @@ def save_image(path: PathLike, image: Any, format: str = "PNG") -> Path:
     return atomic_write(path, lambda f: image.save(f, format=format))
 
 
-def remove_stale_temporaries(directory: PathLike, older_than_s: float = 0.0, recursive: bool = False) -> list[str]:
-    """Delete the temporary files of atomic writes that a killed process left in ``directory``
-    (those last modified more than ``older_than_s`` seconds ago); returns their paths.
+def _fresh_name(path: str, suffix: str) -> str:
+    """A name beside ``path`` that does not exist yet: ``.<name>.<8 random characters><suffix>``."""
+    for _ in range(100):
+        random_part = "".join(secrets.choice(_RANDOM_CHARACTERS) for _ in range(8))
+        candidate = os.path.join(os.path.dirname(path), temporary_name(path) + random_part + suffix)
+        if not os.path.lexists(candidate):
+            return candidate
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside {path}")  # pragma: no cover
 
-    A temporary file only exists while a write is in flight: pass a grace period when another
+
+def _remove(path: str) -> None:
+    """Delete a file, link or directory tree, as far as possible (what is left is a temporary)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _discard(aside: str, target: str) -> None:
+    """Delete a copy moved aside for ``target``. It is renamed to a temporary name first, so that a
+    deletion cut short never leaves a partial tree that looks like a complete old copy."""
+    garbage = _fresh_name(target, TMP_SUFFIX)
+    try:
+        os.rename(aside, garbage)
+    except OSError:
+        garbage = aside
+    _remove(garbage)
+
+
+def _sync_tree(root: str) -> None:
+    """fsync every file under ``root`` and every directory, deepest first, so that the tree is on
+    disk before the rename that publishes it."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                continue  # the link's target is not ours to sync
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def staging_directory(target: PathLike) -> Path:
+    """Create the empty directory in which the replacement of ``target`` is built: beside it (the
+    same file system, so the final rename is atomic), named ``.<name>.<8 random characters>.tmp``,
+    with the mode of a plain ``mkdir``. Publish it with :func:`commit_directory`; most writers
+    want :func:`replace_directory`, which does both. A staging directory a killed writer left is
+    removed by :func:`remove_stale_temporaries`."""
+    path = os.path.abspath(os.fspath(target))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=temporary_name(path), suffix=TMP_SUFFIX, dir=parent)
+    os.chmod(staging, _DIR_MODE)  # mkdtemp's 0o700 would hide an export from the rest of the team
+    return Path(staging)
+
+
+def commit_directory(staging: PathLike, target: PathLike, exist_ok: bool = True) -> Path:
+    """Put the finished ``staging`` directory (from :func:`staging_directory`) in place of
+    ``target``: its files and directories are fsync'ed, an existing ``target`` (directory, file
+    or link) is moved aside as ``.<name>.<8 random characters>.old``, ``staging`` is renamed to
+    ``target`` and the old copy deleted. ``exist_ok=False``: raise :class:`FileExistsError` instead
+    of replacing an existing ``target`` (``staging`` is left to the caller)."""
+    new = os.path.abspath(os.fspath(staging))
+    path = os.path.abspath(os.fspath(target))
+    parent = os.path.dirname(path)
+    if os.path.dirname(new) != parent:
+        raise ValueError(f"{new} must be beside {path} (in the same directory) to be renamed into place atomically")
+    _sync_tree(new)
+    aside: Optional[str] = None
+    if os.path.lexists(path):
+        if not exist_ok:
+            raise FileExistsError(errno.EEXIST, f"{path} exists", path)
+        aside = _fresh_name(path, OLD_SUFFIX)
+        os.rename(path, aside)
+    try:
+        # Between the two renames the old copy is complete beside the missing target:
+        # recover_directory puts it back if this process dies here. os.rename, not os.replace: an
+        # entry that appeared meanwhile (another writer) makes it fail rather than be lost.
+        os.rename(new, path)
+    except BaseException as error:
+        if aside is not None:
+            with contextlib.suppress(OSError):
+                os.rename(aside, path)
+        if isinstance(error, OSError) and error.errno in _TAKEN and os.path.lexists(path):
+            raise FileExistsError(
+                errno.EEXIST, f"{path} appeared while its replacement was put in place", path
+            ) from None
+        raise
+    fsync_dir(parent)
+    if aside is not None:
+        _discard(aside, path)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def replace_directory(target: PathLike, exist_ok: bool = True) -> Iterator[Path]:
+    """``with replace_directory(target) as staging: <write the files into staging>``: ``target``
+    becomes that directory, complete, when the block ends without an exception (see
+    :func:`commit_directory`); when it raises, ``target`` is left as it was and ``staging`` is
+    deleted. An interrupted earlier replacement of ``target`` is recovered first. One writer per
+    target at a time: a second one may fail, never leave a mixture.
+
+    ``exist_ok=False`` raises :class:`FileExistsError` (and writes nothing) when ``target`` exists
+    when the block ends, e.g. because another process created it meanwhile."""
+    path = os.path.abspath(os.fspath(target))
+    recover_directory(path)
+    staging = staging_directory(path)
+    try:
+        yield staging
+        commit_directory(staging, path, exist_ok=exist_ok)
+    except BaseException as error:
+        _remove(os.fspath(staging))
+        full = _no_space_cause(error)
+        if full is not None and not isinstance(error, OutOfSpaceError):
+            raise out_of_space(path, full) from error
+        raise
+
+
+def recover_directory(target: PathLike) -> bool:
+    """Finish what a replacement of ``target`` killed between its two renames left: when
+    ``target`` is missing, the old copy moved aside is put back (returns True); a copy moved
+    aside whose successor is in place is deleted. Staging directories are not touched (a writer
+    may be filling one right now): :func:`remove_stale_temporaries` removes those."""
+    path = os.path.abspath(os.fspath(target))
+    parent = os.path.dirname(path)
+    mine = re.compile(re.escape(temporary_name(path)) + r"[a-z0-9_]{8}" + re.escape(OLD_SUFFIX) + "$")
+    try:
+        asides = [os.path.join(parent, n) for n in sorted(os.listdir(parent)) if mine.match(n)]
+    except OSError:
+        return False
+    restored = False
+    if asides and not os.path.lexists(path):
+        # normally there is one; after several interruptions the one moved aside last is the newest copy
+        newest = max(asides, key=lambda p: os.lstat(p).st_ctime)
+        try:
+            os.rename(newest, path)
+        except OSError:
+            if not os.path.lexists(path):
+                raise
+        else:
+            fsync_dir(parent)
+            restored = True
+            asides.remove(newest)
+    if os.path.lexists(path):
+        for aside in asides:
+            _discard(aside, path)
+    return restored
+
+
+def recover_directories(directory: PathLike) -> list[Path]:
+    """:func:`recover_directory` for every target in ``directory`` that has a copy moved aside;
+    returns the targets that were put back."""
+    root = os.fspath(directory)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    targets = sorted({m.group(1) for m in map(_MOVED_ASIDE.match, names) if m})
+    return [Path(root, t) for t in targets if recover_directory(os.path.join(root, t))]
+
+
+def replace_symlink(link: PathLike, target: PathLike) -> Path:
+    """Make ``link`` a symbolic link to ``target`` (stored as given: pass a relative path for a
+    link that survives moving the tree), atomically: readers see the old link or the new one,
+    never none. The new link is made under a temporary name beside ``link`` and renamed over it.
+    Raises OSError where the file system has no symbolic links (or ``link`` is a directory)."""
+    path = os.path.abspath(os.fspath(link))
+    tmp = _fresh_name(path, TMP_SUFFIX)
+    os.symlink(os.fspath(target), tmp)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(os.path.dirname(path))
+    return Path(path)
+
+
+def _newest_mtime(path: str) -> float:
+    """The last modification under a directory tree (a staging directory is written deep inside)."""
+    newest = os.lstat(path).st_mtime
+    for dirpath, dirs, files in os.walk(path):
+        for name in (*dirs, *files):
+            with contextlib.suppress(OSError):
+                newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+    return newest
+
+
+def remove_stale_temporaries(directory: PathLike, older_than_s: float = 0.0, recursive: bool = False) -> list[str]:
+    """Delete the temporaries that a killed process left in ``directory``: files of atomic writes,
+    links of :func:`replace_symlink`, staging directories of :func:`replace_directory` (those last
+    modified more than ``older_than_s`` seconds ago, anywhere inside for a directory); returns
+    their paths. Copies moved aside (``.old``) are :func:`recover_directory`'s, not touched here.
+
+    A temporary only exists while a write is in flight: pass a grace period when another
     process may be writing into the same directory right now.
     """
     root = os.fspath(directory)
@@ -244,16 +459,32 @@ def remove_stale_temporaries(directory: PathLike, older_than_s: float = 0.0, rec
         return []
     now = time.time()
     removed = []
-    walker = os.walk(root) if recursive else [(root, [], os.listdir(root))]
-    for dirpath, _, names in walker:
+    for dirpath, names in _listing(root, recursive):
         for name in names:
             if not _TEMPORARY.match(name):
                 continue
             full = os.path.join(dirpath, name)
             try:
-                if os.path.isfile(full) and now - os.path.getmtime(full) >= older_than_s:
+                mode = os.lstat(full).st_mode
+                if stat.S_ISDIR(mode):
+                    if now - _newest_mtime(full) >= older_than_s:
+                        shutil.rmtree(full)
+                        removed.append(full)
+                elif (stat.S_ISREG(mode) or stat.S_ISLNK(mode)) and now - os.lstat(full).st_mtime >= older_than_s:
                     os.unlink(full)
                     removed.append(full)
             except OSError:
                 continue
     return removed
+
+
+def _listing(root: str, recursive: bool) -> Iterator[tuple[str, list[str]]]:
+    """(directory, entry names) of ``root``, and of its subdirectories when ``recursive``; a
+    temporary directory is listed as an entry (removed whole), never searched."""
+    if not recursive:
+        yield root, sorted(os.listdir(root))
+        return
+    for dirpath, dirs, files in os.walk(root):
+        temporaries = [d for d in dirs if _TEMPORARY.match(d)]
+        dirs[:] = [d for d in dirs if d not in temporaries]
+        yield dirpath, sorted(files + temporaries)

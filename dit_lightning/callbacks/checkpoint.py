@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -20,7 +19,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from ..atomic import remove_stale_temporaries
+from ..atomic import recover_directories, remove_stale_temporaries, replace_symlink
 
 LATEST = "last.ckpt"
 _VERSION = re.compile(r"^version_(\d+)$")
@@ -63,36 +62,20 @@ def run_path(template: str, trainer: L.Trainer, **fields: str) -> Path:
 def _update_link(link: Path, target: Path) -> None:
     """Point ``link`` at ``target`` (relative), atomically: readers see the old or the new link."""
     rel = os.path.relpath(target, link.parent)
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
     try:
-        if tmp.is_symlink() or tmp.exists():
-            tmp.unlink()
-        os.symlink(rel, tmp)
-        os.replace(tmp, link)
+        replace_symlink(link, rel)
     except OSError as e:  # no symlinks on this file system: the runs' own files are still complete
         rank_zero_warn(f"could not link {link} -> {rel} ({e}); use --ckpt_path {target}")
 
 
-_SHARDED_STAGING = re.compile(r"^\.(.+)\.(writing|replaced)\.tmp$")
-
-
-def _recover_sharded_saves(directory: Path) -> None:
-    """Directories a killed sharded save left (``DiTFSDP2Strategy.save_checkpoint`` writes
-    ``.<name>.writing.tmp`` and swaps it with ``.<name>.replaced.tmp``): a replaced checkpoint
-    whose successor never arrived is put back, everything else is removed."""
-    if not directory.is_dir():
-        return
-    for entry in sorted(directory.iterdir()):
-        m = _SHARDED_STAGING.match(entry.name)
-        if not m or not entry.is_dir() or entry.is_symlink():
-            continue
-        target = directory / m.group(1)
-        if m.group(2) == "replaced" and not target.exists():
-            os.replace(entry, target)
-            rank_zero_warn(f"restored {target} from {entry.name}: its replacement was interrupted")
-        else:
-            shutil.rmtree(entry, ignore_errors=True)
-            rank_zero_warn(f"removed {entry}, a sharded checkpoint save that was interrupted")
+def _clean_up_interrupted_saves(directory: Path) -> None:
+    """What a killed save left in ``directory``: a checkpoint (a sharded one: a directory) whose
+    replacement stopped between its two renames is put back; temporary files and the staging
+    directories of sharded saves are removed."""
+    for target in recover_directories(directory):
+        rank_zero_warn(f"restored {target} from the copy its interrupted replacement had moved aside")
+    for path in remove_stale_temporaries(directory, older_than_s=0.0):
+        rank_zero_warn(f"removed {path}, left by a checkpoint save that was interrupted")
 
 
 class DiTModelCheckpoint(ModelCheckpoint):
@@ -124,10 +107,8 @@ class DiTModelCheckpoint(ModelCheckpoint):
             if Path(self.dirpath).parent.parent.resolve() == root.resolve():
                 self.run_root = root
         if trainer.is_global_zero and self.dirpath:
-            # a save killed half-way leaves a temporary file as large as a checkpoint
-            for path in remove_stale_temporaries(self.dirpath, older_than_s=0.0):
-                rank_zero_warn(f"removed {path}, a temporary file of a checkpoint save that was interrupted")
-            _recover_sharded_saves(Path(self.dirpath))
+            # a save killed half-way leaves a temporary as large as a checkpoint, or the previous one aside
+            _clean_up_interrupted_saves(Path(self.dirpath))
 
     def _refresh_link(self, trainer: L.Trainer) -> None:
         if not (self.latest_link and trainer.is_global_zero and self.last_model_path):

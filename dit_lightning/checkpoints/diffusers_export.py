@@ -16,22 +16,21 @@ A pipeline directory holds what ``DiTPipeline.from_pretrained(DIR)`` reads offli
   to load it, what diffusers computes differently) and ``dit_lightning.json`` (the VAE
   reference, scale factor, noise schedule and source, for reading it back).
 
-The directory is built next to ``output`` and renamed into place, so a reader never sees half
-of it.
+The directory is built next to ``output`` and renamed into place
+(:func:`~dit_lightning.atomic.replace_directory`), so a reader never sees half of it, and a kill
+during a re-export leaves the earlier export whole.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from ..atomic import atomic_write, fsync_dir, write_json, write_text
+from ..atomic import atomic_write, replace_directory, write_json, write_text
 from ..sampling.schedulers import DiffusersSampler, build_scheduler, can_threshold
 from ..vae import DEFAULT_SCALE_FACTOR, DEFAULT_VAE, is_pixel_space
 from .architecture import dit_config_of, export_args, recorded_vae
@@ -133,30 +132,13 @@ def _write_vae(name: str, scale: Optional[float], target: Path) -> Optional[str]
     return None
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(dirpath)
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` to ``out``; an earlier export there is replaced (only an export:
-    a directory without ``model_index.json`` is refused, so nothing else is ever deleted)."""
-    old: Optional[Path] = None
-    if out.exists():
-        if not (out / "model_index.json").is_file() and any(out.iterdir()):
-            raise FileExistsError(f"{out} exists and is not a diffusers export: choose another --output")
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=str(out.parent)))
-        os.replace(out, old / out.name)
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _check_replaceable(out: Path) -> None:
+    """Only an earlier export (or an empty directory) is ever replaced: nothing else is deleted."""
+    if not os.path.lexists(out):
+        return
+    if out.is_dir() and ((out / "model_index.json").is_file() or not any(out.iterdir())):
+        return  # (a link to an export: the link is replaced, the export it points to stays)
+    raise FileExistsError(f"{out} exists and is not a diffusers export: choose another --output")
 
 
 def _readme(info: dict[str, Any], cfg: dict[str, Any], notes: list[str]) -> str:
@@ -280,9 +262,8 @@ def export_diffusers(
     if weights == "ema" and not ckpt.has_ema():
         notes.append(f"'{ckpt.path}' has no EMA weights; exported the trained weights")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=str(out.parent)))
-    try:
+    with replace_directory(out) as tmp:
+        _check_replaceable(out)  # before the work: an interrupted earlier export is recovered by now
         (tmp / "transformer").mkdir()
         model.save_config(str(tmp / "transformer"))
         data = _safetensors_bytes(mapped, {"format": "pt"})
@@ -336,9 +317,4 @@ def export_diffusers(
         }
         write_json(tmp / INFO_FILE, info)
         write_text(tmp / "README.md", _readme(info, cfg, notes))
-        _fsync_tree(tmp)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"output": str(out), **info, "notes": notes}

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import tempfile
 
 import numpy as np
 
+from ..atomic import recover_directory, replace_directory
 from . import store as st
 
 DIGITS_VAE = "none/pixels"
@@ -76,6 +75,7 @@ def prepare_digits(output: str, size: int = 8, overwrite: bool = False) -> str:
     """
     spec = digits_spec(size)
     output = os.path.abspath(output)
+    recover_directory(output)  # a replacement killed half-way: the checks below see the whole old store
     if os.path.exists(output):
         if _matches(output, spec) and not overwrite:
             return output
@@ -102,26 +102,18 @@ def prepare_digits(output: str, size: int = 8, overwrite: bool = False) -> str:
         spec = dataclasses.replace(spec, num_items=n)
     data = images.astype(np.float16).reshape(n, 1, 1, 1, size, size)  # (n, F=1, K=1, C=1, H, W)
 
-    parent = os.path.dirname(output)
-    os.makedirs(parent, exist_ok=True)
-    # Build next to the target and rename: the store appears complete or not at all.
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(output) + ".", suffix=".tmp", dir=parent)
+    # Built beside the target and renamed into place: the store appears complete or not at all. A
+    # store that overwrite replaces (checked above to be a store and nothing else) is moved aside
+    # and deleted once the new one is in place, so a kill leaves one of the two, whole.
     try:
-        st.write_plan(tmp, spec)
-        for k in range(spec.num_shards):
-            a, b = spec.shard_range(k)
-            st.write_shard(tmp, k, spec, data[a:b], labels[a:b], [f"load_digits[{i}]" for i in range(a, b)])
-        st.finalize_store(tmp)
-        os.chmod(tmp, 0o755)
-        if os.path.exists(output):  # overwrite=True: checked above to be a store and nothing else
-            st.remove_store(output)
-        try:
-            os.rename(tmp, output)
-        except OSError:
-            # another process won the race; fine if what it wrote is what we want
-            if not _matches(output, spec):
-                raise
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        with replace_directory(output, exist_ok=overwrite) as tmp:
+            st.write_plan(tmp, spec)
+            for k in range(spec.num_shards):
+                a, b = spec.shard_range(k)
+                st.write_shard(tmp, k, spec, data[a:b], labels[a:b], [f"load_digits[{i}]" for i in range(a, b)])
+            st.finalize_store(tmp)
+    except FileExistsError:
+        # another process won the race; fine if what it wrote is what we want
+        if not _matches(output, spec):
+            raise
     return output

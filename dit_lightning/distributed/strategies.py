@@ -19,8 +19,6 @@ Activation checkpointing has one knob under every strategy: the model's own
 
 from __future__ import annotations
 
-import os
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -30,7 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from torch import nn
 
-from ..atomic import fsync_dir
+from ..atomic import commit_directory, recover_directory, staging_directory
 from ..models import DiT, DiTBlock
 from ..precision import optional_dtype
 from .sharding import _dit_children
@@ -249,21 +247,12 @@ class DiTFSDP2Strategy(ModelParallelStrategy):
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
-        staging = path.with_name(f".{path.name}.writing.tmp")  # the same name on every rank
-        if self.global_rank == 0 and staging.exists():
-            shutil.rmtree(staging)  # left by a save that was killed
-        self.barrier("dit_sharded_save_start")
+        if self.global_rank == 0:
+            recover_directory(path)  # a save killed between its two renames left the previous checkpoint beside
+        # one staging directory, made and named by rank 0, into which every rank writes its shards
+        staging = Path(self.broadcast(str(staging_directory(path)) if self.global_rank == 0 else ""))
         super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier("dit_sharded_save_written")
         if self.global_rank == 0:
-            old = path.with_name(f".{path.name}.replaced.tmp")
-            if old.exists():
-                shutil.rmtree(old)
-            if path.is_dir():
-                os.replace(path, old)
-            elif path.exists():
-                path.unlink()
-            os.replace(staging, path)  # between the two renames the old copy is complete beside it
-            fsync_dir(path.parent)
-            shutil.rmtree(old, ignore_errors=True)
+            commit_directory(staging, path)  # the previous checkpoint is moved aside, deleted once this one is in place
         self.barrier("dit_sharded_save_done")

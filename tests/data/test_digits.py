@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 
 import numpy as np
 import pytest
@@ -44,3 +46,20 @@ def test_idempotent_and_upsampled(digits8, tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]  # built aside, renamed in
     with pytest.raises(ValueError, match="multiple of 8"):
         prepare_digits(str(tmp_path / "bad"), size=12)
+
+
+def test_overwrite_replaces_only_a_store_and_leaves_one_whole(digits8, tmp_path):
+    path = str(tmp_path / "d")
+    shutil.copytree(digits8, path)
+    with pytest.raises(st.StoreError, match="not a digits store of size 16"):
+        prepare_digits(path, size=16)
+    assert prepare_digits(path, size=16, overwrite=True) == path
+    assert st.LatentStore(path).latent_shape == (1, 16, 16) and os.listdir(tmp_path) == ["d"]  # old copy gone
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o777 & ~umask  # readable by the team, not mkdtemp's 0o700
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(st.StoreError, match="not a latent store"):
+        prepare_digits(str(tmp_path / "mine"), overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep" and sorted(os.listdir(tmp_path)) == ["d", "mine"]

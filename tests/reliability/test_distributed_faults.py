@@ -116,12 +116,12 @@ def test_a_killed_rank_is_named_and_the_run_resumes_bit_for_bit(digits, tmp_path
     last = tmp_path / "run" / "ckpt" / "last.ckpt"
     assert is_sharded_checkpoint(last) == (strategy == "fsdp2") and read_checkpoint(last).meta["global_step"] == 4
     # what a sharded save killed half-way leaves (it writes beside last.ckpt, then renames): removed
-    partial = last.with_name(".last.ckpt.writing.tmp")
+    partial = last.with_name(".last.ckpt.k1lled_2.tmp")  # atomic.staging_directory's name
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"\0" * 1000)
     code, out, _ = _run(_fit(tmp_path, "run", 8, digits, strategy, ("--ckpt_path", str(last))), tmp_path)
     assert code == 0, out[-4000:]
-    assert not partial.exists() and "a sharded checkpoint save that was interrupted" in out
+    assert not partial.exists() and "left by a checkpoint save that was interrupted" in out
     full, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "run")
     assert sorted(resumed) == list(range(4, 8)) and all(resumed[s] == full[s] for s in range(4, 8)), (full, resumed)
 
