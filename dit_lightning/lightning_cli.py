@@ -28,7 +28,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
@@ -42,7 +41,7 @@ from .callbacks.fault_tolerance import FaultTolerance
 from .callbacks.generation import GenerationMetrics
 from .callbacks.progress import DiTProgressBar
 from .callbacks.samples import PredictionWriter
-from .checkpoints import read_checkpoint
+from .checkpoints import NotATrainingCheckpointError, TrainingState, UnsafeCheckpointError, read_training_state
 from .data import LatentDataModule
 from .module import DiTModule
 from .plugins import AtomicCheckpointIO
@@ -187,7 +186,9 @@ class DiTCLI(LightningCLI):
             return
         sub.ckpt_path = ckpt_path = str(Path(ckpt_path).resolve()) if Path(ckpt_path).exists() else ckpt_path
         self._continue_run(sub, subcommand, ckpt_path, root)
-        hparams = self._checkpoint_hparams(ckpt_path)
+        state = self._training_state(ckpt_path)
+        self._resumed_step = state.step  # names the config record of a resumed run
+        hparams = self._checkpoint_hparams(state)
         if hparams:
             # defaults < the checkpoint's settings < configs and command line (in their order)
             recorded = json.dumps({"model": hparams}, default=lambda v: list(v) if isinstance(v, tuple) else str(v))
@@ -196,34 +197,28 @@ class DiTCLI(LightningCLI):
             self._continue_run(self.config[subcommand], subcommand, ckpt_path, root)
 
     @staticmethod
-    def _checkpoint_hparams(ckpt_path: str) -> dict[str, Any]:
-        path = Path(ckpt_path)
-        if not path.exists():
-            raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist")
-        if path.is_dir():  # a sharded checkpoint directory: the strategy loads it (and its settings)
-            from .checkpoints.safe_load import check_dcp_metadata
-
-            if not (path / ".metadata").is_file():
-                raise ValueError(f"--ckpt_path {ckpt_path} is a directory but not a sharded checkpoint (no .metadata)")
-            check_dcp_metadata(path)  # torch reads it with a plain pickle.load: vet it before Lightning does
-            return {}
+    def _training_state(ckpt_path: str) -> TrainingState:
+        """The checkpoint ``--ckpt_path`` names (a file or a sharded directory, whose ``.metadata``
+        is vetted before Lightning unpickles it), or an error that says what to pass instead."""
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Detected pickle protocol")
-                ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:
-            ckpt = None
-        if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "pytorch-lightning_version" not in ckpt:
-            try:
-                kind = f"a {read_checkpoint(path).format} DiT checkpoint"
-            except (ValueError, FileNotFoundError) as e:
-                raise ValueError(f"--ckpt_path {ckpt_path} is not a checkpoint: {e}") from None
+            return read_training_state(ckpt_path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--ckpt_path {ckpt_path} does not exist") from None
+        except NotATrainingCheckpointError as e:
             raise ValueError(
-                f"--ckpt_path {ckpt_path} is {kind}, not a Lightning training checkpoint: --ckpt_path resumes or "
+                f"--ckpt_path {ckpt_path} is {e.kind}, not a Lightning training checkpoint: --ckpt_path resumes or "
                 f"evaluates checkpoints written by `dit-lightning fit`. To start from these weights use "
                 f"--model.init_from {ckpt_path}; to sample them, `dit-lightning sample --checkpoint {ckpt_path}`."
-            )
-        hparams = dict(ckpt.get("hyper_parameters") or {})
+            ) from None
+        except UnsafeCheckpointError:
+            raise  # its message names the file and the code it would run
+        except ValueError as e:  # empty, truncated, not a checkpoint at all
+            raise ValueError(f"--ckpt_path {ckpt_path} is not a checkpoint: {e}") from None
+
+    @staticmethod
+    def _checkpoint_hparams(state: TrainingState) -> dict[str, Any]:
+        """The model settings the checkpoint was trained with, as a config (a class path only if trusted)."""
+        hparams = dict(state.hyper_parameters)
         hparams.pop("_instantiator", None)
         class_path = hparams.pop("_class_path", None)
         if class_path is None:
@@ -231,7 +226,7 @@ class DiTCLI(LightningCLI):
         trusted = _TRUSTED + tuple(p.strip() for p in os.environ.get(TRUSTED_CLASSES_ENV, "").split(",") if p.strip())
         if not class_path.startswith(trusted):
             raise ValueError(
-                f"--ckpt_path {ckpt_path} names the class {class_path!r}, which is not one of this package's: "
+                f"--ckpt_path {state.path} names the class {class_path!r}, which is not one of this package's: "
                 f"loading it would import (and run) that module. If you trust it, set {TRUSTED_CLASSES_ENV}="
                 f"{class_path.rsplit('.', 1)[0]}."
             )
@@ -303,7 +298,7 @@ class DiTCLI(LightningCLI):
         # One config record per subcommand; a resumed or evaluated run keeps the fit's record.
         name = "config.yaml" if self.subcommand == "fit" else f"{self.subcommand}-config.yaml"
         if self.subcommand == "fit" and getattr(self, "_resumed_run", None) is not None:
-            name = f"config-resumed-from-step-{self._checkpoint_step()}.yaml"
+            name = f"config-resumed-from-step-{getattr(self, '_resumed_step', 0)}.yaml"
         self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": name, "overwrite": True}
 
     def _explicit_settings(self) -> dict[str, Any]:
@@ -320,13 +315,6 @@ class DiTCLI(LightningCLI):
             "accumulate_grad_batches": trainer.get("accumulate_grad_batches"),
             "activation_checkpointing": init.get("activation_checkpointing") if hasattr(init, "get") else None,
         }
-
-    def _checkpoint_step(self) -> int:
-        path = self.config[self.subcommand].get("ckpt_path")
-        try:
-            return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step", 0))
-        except Exception:
-            return 0
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})

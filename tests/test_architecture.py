@@ -36,11 +36,9 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def _skipped(node: ast.AST) -> bool:
-    """``if __name__ == "__main__":`` and ``if TYPE_CHECKING:`` blocks do not run on import."""
-    if not isinstance(node, ast.If):
-        return False
-    test = ast.unparse(node.test)
-    return "__name__" in test and "__main__" in test or test in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+    """``if TYPE_CHECKING:`` blocks never run (names for type checkers only). Everything else counts,
+    imports under ``if __name__ == "__main__":`` too: running a module as a script imports them."""
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
 
 
 def imports_of(path: Path, root: Path = ROOT) -> set[str]:
@@ -212,3 +210,16 @@ def test_the_checker_sees_a_wrong_import(tmp_path):
         "dit_lightning.models.probe (layer 1) imports dit_lightning.module (layer 3)",
         "dit_lightning.models.probe (layer 1) imports lightning",
     ]
+
+
+def test_checkpoint_files_are_read_only_in_checkpoints_and_the_two_weights_files():
+    """``torch.load`` is called by ``checkpoints/`` (every checkpoint, training ones through
+    ``read_training_state``) and, outside it, once for the InceptionV3 weights and once for the VAE's."""
+    calls = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                calls.append(name)
+    outside = sorted(c for c in calls if not c.startswith("dit_lightning.checkpoints"))
+    assert outside == ["dit_lightning.evaluation.fid", "dit_lightning.vae"], outside
+    assert calls.count("dit_lightning.checkpoints.safe_load") == len(calls) - 2, calls  # its one `load_file`

@@ -80,6 +80,21 @@ def test_killed_run_resumes_bit_for_bit(tmp_path):
     assert resumed_steps and all(resumed[s] == full[s] for s in resumed_steps), (full, resumed)
 
 
+def test_a_resumed_run_continues_in_its_directory_and_records_its_config_at_the_checkpoints_step(tmp_path):
+    """With run directories (no logger version, no checkpoint dirpath), `--ckpt_path last` resumes
+    version_0 in place; the resumed config is named after the step read from the checkpoint."""
+    args = fit_args(tmp_path, "runs", 2)
+    for option in ("--trainer.logger.version", "--checkpoint.dirpath"):
+        i = args.index(option)
+        del args[i : i + 2]
+    run_cli(args, tmp_path)
+    run = tmp_path / "runs" / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
+    args[args.index("--trainer.max_steps") + 1] = "3"
+    run_cli([*args, "--ckpt_path", "last"], tmp_path)
+    assert (run / "config-resumed-from-step-2.yaml").is_file() and not (tmp_path / "runs" / "version_1").exists()
+
+
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml") if p.name != "demo.yaml")
 
 

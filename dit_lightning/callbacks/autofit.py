@@ -731,13 +731,17 @@ def _local_device_index(trainer_config: dict[str, Any]) -> int:
 
 
 def _read_record(ckpt_path: Optional[str]) -> tuple[Optional[dict[str, Any]], int]:
-    if not ckpt_path or not os.path.isfile(ckpt_path):
+    """The auto-fit setting a resumed checkpoint (a file or a sharded directory) recorded, and its step;
+    (None, 0) when there is none or it cannot be read."""
+    from ..checkpoints import read_training_state
+
+    if not ckpt_path:
         return None, 0
     try:
-        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
+        state = read_training_state(ckpt_path)
+    except Exception:  # a fresh decision then; the run itself reports a checkpoint it cannot load
         return None, 0
-    return recorded_setting(checkpoint), int(checkpoint.get("global_step", 0))
+    return recorded_setting(state.meta), state.step
 
 
 def prepare_cli_fit(

@@ -554,9 +554,10 @@ class FaultTolerance(L.Callback):
         cb = trainer.checkpoint_callback
         path = getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
         if path and os.path.exists(path):
-            with contextlib.suppress(Exception):
-                meta = os.path.join(path, "meta.pt") if os.path.isdir(path) else path  # sharded: its metadata
-                step = torch.load(meta, map_location="cpu", weights_only=True, mmap=True).get("global_step")
+            from ..checkpoints import read_training_state
+
+            with contextlib.suppress(Exception):  # part of another error's message: the step is only a detail
+                step = read_training_state(path).step  # a file, or a sharded directory's meta.pt
                 return f"the last checkpoint, {path} (step {step}), was written before and is kept"
             return f"the last checkpoint, {path}, was written before and is kept"
         return "no checkpoint was written"

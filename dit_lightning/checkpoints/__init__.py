@@ -1,6 +1,7 @@
 """DiT checkpoints in one place: read every format (raw, reference, Lightning, sharded, diffusers,
 safetensors), tell the architecture by one rule, load strictly, save atomically, export and
-consolidate.
+consolidate; and the one reader of training checkpoints (step, settings, callback states, weights
+of a Lightning file or a sharded directory: :func:`read_training_state`).
 
 Pure PyTorch: the Lightning side (atomic ``CheckpointIO``, resuming) lives in
 :mod:`dit_lightning.plugins` and :class:`~dit_lightning.module.DiTModule`.
@@ -31,15 +32,20 @@ from .diffusers_format import (
 )
 from .export import ExportFormat, export_checkpoint, save_dit, to_reference_format
 from .formats import DiTCheckpoint, StateDict, Weights, clean_state_dict, read_checkpoint, strip_prefix
+from .safe_load import UnsafeCheckpointError
 from .sharded import is_sharded_checkpoint, load_sharded_checkpoint, optimizer_by_index
+from .training import NotATrainingCheckpointError, TrainingState, read_training_state
 
 __all__ = [
     "DiTCheckpoint",
     "ExportFormat",
     "LoadedDiT",
+    "NotATrainingCheckpointError",
     "NotExpressibleError",
     "PixelDecoder",
     "StateDict",
+    "TrainingState",
+    "UnsafeCheckpointError",
     "Weights",
     "check_dit_weights",
     "clean_state_dict",
@@ -61,6 +67,7 @@ __all__ = [
     "name_table",
     "optimizer_by_index",
     "read_checkpoint",
+    "read_training_state",
     "recorded_vae",
     "save_dit",
     "strip_prefix",

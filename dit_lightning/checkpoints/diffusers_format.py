@@ -332,10 +332,9 @@ def _load_weights_dir(d: Path) -> StateDict:
     if (d / WEIGHT_FILE).is_file():
         return _load_safetensors(d / WEIGHT_FILE)[0]
     if (d / _WEIGHT_FILES[1]).is_file():
-        try:
-            data = torch.load(d / _WEIGHT_FILES[1], map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise ValueError(f"could not read '{d / _WEIGHT_FILES[1]}' with torch.load(weights_only=True): {e}") from e
+        from .safe_load import load_file
+
+        data = load_file(d / _WEIGHT_FILES[1], mmap=True)  # weights only; a refusal says what the file is
         if not isinstance(data, dict):
             raise ValueError(f"'{d / _WEIGHT_FILES[1]}' holds a {type(data).__name__}, not a state dict")
         return data

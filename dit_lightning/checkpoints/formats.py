@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import torch
 from torch import Tensor
 
 StateDict = dict[str, Tensor]
@@ -76,19 +75,6 @@ class DiTCheckpoint:
         return self.ema is not None
 
 
-def _torch_load(path: Path) -> Any:
-    # The reference scripts store their argparse.Namespace under "args": allow just that class.
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]), warnings.catch_warnings():
-            # a pickle of another protocol is refused below with a clearer message than this warning
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # empty or truncated file, pickle of arbitrary objects, not a torch file...
-        from .safe_load import load_error
-
-        raise ValueError(load_error(path, e)) from None
-
-
 def _from_lightning(path: str, ckpt: dict[str, Any], fmt: Format) -> DiTCheckpoint:
     sd = clean_state_dict(ckpt["state_dict"])
     model, ema = strip_prefix(sd, "model."), strip_prefix(sd, "ema.")
@@ -130,7 +116,9 @@ def read_checkpoint(path: Union[str, Path], tmp_dir: Optional[Union[str, Path]] 
         weights, recorded, meta = read_safetensors(path)
         weights = clean_state_dict(weights)
         return DiTCheckpoint(str(path), "safetensors", weights, weights, recorded, None, meta)
-    ckpt = _torch_load(path)
+    from .safe_load import load_file
+
+    ckpt = load_file(path)
     if not isinstance(ckpt, dict):
         raise ValueError(f"checkpoint '{path}' holds a {type(ckpt).__name__}, not a state dict")
     if "state_dict" in ckpt and isinstance(ckpt["state_dict"], dict):

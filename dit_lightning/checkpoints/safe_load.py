@@ -1,5 +1,7 @@
 """Reading checkpoint files without running code from them, with errors that say what the file is.
 
+- :func:`load_file` is the one ``torch.load`` of checkpoint files: ``weights_only=True`` on the CPU,
+  memory-mapped on request, and what it raises turned into one message by :func:`load_error`.
 - :func:`load_error` turns what ``torch.load(weights_only=True)`` raises into one message: an empty
   file, a file that is not a PyTorch checkpoint (random bytes, a truncated download), or a pickle
   naming code (refused: unpickling it could run anything). It never suggests
@@ -71,6 +73,32 @@ def load_error(path: Union[str, Path], error: BaseException) -> str:
         )
     first = text.splitlines()[0] if text else ""
     return f"could not read checkpoint '{path}' ({size:,} bytes): {type(error).__name__}: {first}"
+
+
+def load_file(path: Union[str, Path], *, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU (the reference scripts' ``argparse.Namespace``
+    allowed), raising a ``ValueError`` with :func:`load_error`'s message for what cannot be read.
+
+    ``mmap``: map the tensors instead of reading them, so reading a checkpoint's step or settings
+    costs no memory for its weights (zip-format files only: an older ``torch.save`` file is read;
+    a truncated zip is read too, so that its error says "truncated" rather than torch's mmap error).
+    """
+    import argparse
+    import warnings
+    import zipfile
+
+    import torch
+
+    mmap = mmap and zipfile.is_zipfile(path)
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]), warnings.catch_warnings():
+            # a pickle of another protocol is refused below with a clearer message than this warning
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint '{path}' does not exist") from None
+    except Exception as e:  # empty or truncated file, pickle of arbitrary objects, not a torch file...
+        raise ValueError(load_error(path, e)) from None
 
 
 class _MetadataUnpickler(pickle.Unpickler):

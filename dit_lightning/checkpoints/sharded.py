@@ -8,7 +8,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import torch
+from .safe_load import check_dcp_metadata, load_file
+
+# What Lightning writes beside the shards of a sharded checkpoint (on rank 0): everything of the
+# checkpoint but the weights and the optimiser states (step, loops, hyper-parameters, callback states).
+META_FILE = "meta.pt"
 
 
 def is_sharded_checkpoint(path: Union[str, Path]) -> bool:
@@ -32,6 +36,18 @@ def optimizer_by_index(opt: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def read_sharded_meta(path: Union[str, Path]) -> Optional[dict[str, Any]]:
+    """The ``meta.pt`` of a sharded checkpoint directory (read weights-only), None when it has none
+    (a directory of shards alone, e.g. written by ``torch.distributed.checkpoint.save`` directly)."""
+    meta = Path(path) / META_FILE
+    if not meta.is_file():
+        return None
+    data = load_file(meta)
+    if not isinstance(data, dict):
+        raise ValueError(f"'{meta}' holds a {type(data).__name__}, not the dict of a Lightning checkpoint's metadata")
+    return data
+
+
 def load_sharded_checkpoint(path: Union[str, Path], tmp_dir: Optional[Union[str, Path]] = None) -> dict[str, Any]:
     """Read a sharded (DCP) Lightning checkpoint directory into one process: returns
     ``{"state_dict": full tensors, "optimizer_states": [position-keyed], **metadata}``.
@@ -39,8 +55,6 @@ def load_sharded_checkpoint(path: Union[str, Path], tmp_dir: Optional[Union[str,
     The shards are merged through a temporary file in ``tmp_dir`` (default: next to the
     checkpoint) with ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from .safe_load import check_dcp_metadata
 
     path = Path(path)
     if not is_sharded_checkpoint(path):
@@ -50,13 +64,13 @@ def load_sharded_checkpoint(path: Union[str, Path], tmp_dir: Optional[Union[str,
     os.close(fd)
     try:
         dcp_to_torch_save(path, tmp)
-        data = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
+        data = load_file(tmp, mmap=True)
     finally:
         os.unlink(tmp)
-    out: dict[str, Any] = {"state_dict": data.pop("state_dict", {})}
+    # ModelParallelStrategy (FSDP2) stores the weights under "state_dict", FSDPStrategy (FSDP1) under "model"
+    weights = data.pop("state_dict", None)
+    out: dict[str, Any] = {"state_dict": weights if weights is not None else data.pop("model", {})}
     keys = sorted((k for k in data if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     out["optimizer_states"] = [optimizer_by_index(data.pop(k)) for k in keys]
-    meta = path / "meta.pt"
-    if meta.is_file():
-        out.update({k: v for k, v in torch.load(meta, map_location="cpu", weights_only=True).items() if k not in out})
+    out.update({k: v for k, v in (read_sharded_meta(path) or {}).items() if k not in out})
     return out

@@ -444,15 +444,3 @@ def _print_summary(summary: dict[str, Any]) -> None:
     )
     if summary["finalized"] and summary["images_skipped"]:
         c.print(f"skipped files are listed in {summary['report']}")
-
-
-if __name__ == "__main__":  # the older spelling of `dit-lightning extract` (torchrun -m dit_lightning.data.extract)
-    import sys
-    import warnings
-
-    from ..cli import main
-
-    warnings.warn(
-        "`-m dit_lightning.data.extract` is deprecated: use `-m dit_lightning.cli extract`", FutureWarning, stacklevel=1
-    )
-    main(["extract", *sys.argv[1:]])

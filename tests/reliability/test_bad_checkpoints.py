@@ -5,7 +5,8 @@ unpickles: each is refused with one message that says what the file is, and no c
 Files unpickled and what guards them:
 - checkpoints of every format, read by every command (``sample``, ``export``, ``consolidate``,
   ``prune``, ``evaluate``, ``verify``, ``--ckpt_path``, ``--model.init_from``, a teacher):
-  ``torch.load(weights_only=True)`` (formats.py, lightning_cli.py);
+  ``torch.load(weights_only=True)`` (``checkpoints.safe_load.load_file``, under ``read_checkpoint``
+  and ``read_training_state``);
 - a sharded checkpoint's ``.metadata``, which torch.distributed.checkpoint reads with plain
   ``pickle.load``: vetted by a restricted unpickler first (checkpoints/safe_load.py);
 - the InceptionV3 weights of FID / IS / KID: tests/evaluation/test_inception.py;
