@@ -65,25 +65,36 @@ def guided_model_fn(
     guide_channels: Optional[int] = None,
     precision: SamplingPrecision = "fp32",
     force_cfg: bool = False,
+    cfg_interval: Optional[tuple[float, float]] = None,
 ) -> Callable[..., Tensor]:
     """``fn(x, t, y)`` -> model output for the (un-doubled) batch ``x``.
 
     With guidance the batch is doubled to ``[x, x]`` with labels ``[y, null]`` and combined by
     ``net.forward_with_cfg`` (``guide_channels=3``: the reference's published-FID variant); the
     first half is returned. Scale 1 skips the doubled batch (same result, half the cost)
-    unless ``force_cfg``. The network runs under autocast for bf16/fp16; the output is float32.
+    unless ``force_cfg``; so do timesteps outside ``cfg_interval = (lo, hi)``. The network runs
+    under autocast for bf16/fp16; the output is float32.
     """
     dtype = to_dtype(precision)
 
-    def run(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
-        if cfg_scale == 1.0 and not force_cfg:
-            return net(x, t, y)
+    def guided(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
         n = x.shape[0]
         null = torch.full_like(y, net.num_classes)
         out = net.forward_with_cfg(
             torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]), cfg_scale, guide_channels
         )
         return out[:n]
+
+    def run(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+        if cfg_scale == 1.0 and not force_cfg:
+            return net(x, t, y)
+        if cfg_interval is not None:
+            inside = (t >= cfg_interval[0]) & (t <= cfg_interval[1])
+            if not inside.any():  # the conditional prediction alone: no doubled batch
+                return net(x, t, y)
+            if not inside.all():  # a batch of mixed timesteps (the loops here step all samples together)
+                return torch.where(inside.view(-1, *[1] * (x.dim() - 1)), guided(x, t, y), net(x, t, y))
+        return guided(x, t, y)
 
     def fn(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
         with autocast(x.device.type, dtype):
@@ -141,7 +152,9 @@ def sample_latents(
         if is_diffusers_sampler(opts.sampler)  # a diffusers scheduler, built in sample_with_scheduler
         else build_sampling_diffusion(opts.sampler, opts.num_steps, noise_schedule, diffusion_steps, net.learn_sigma)
     )
-    fn = model_fn or guided_model_fn(net, opts.cfg_scale, opts.guide_channels, opts.precision)
+    fn = model_fn or guided_model_fn(
+        net, opts.cfg_scale, opts.guide_channels, opts.precision, cfg_interval=opts.cfg_interval
+    )
     if noise_fn is None:
         idx_dev = idx.to(device)
 

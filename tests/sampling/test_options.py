@@ -27,8 +27,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # A value for every option, none of them its default: a new option must be added here.
 GIVEN = dict(
-    sampler="ddim", num_steps=3, cfg_scale=1.5, guide_channels=3, eta=0.5, clip_denoised=True, precision="bf16", seed=4
-)
+    sampler="ddim", num_steps=3, cfg_scale=1.5, guide_channels=3, cfg_interval=(200.0, 700.0), eta=0.5,
+    clip_denoised=True, precision="bf16", seed=4,
+)  # fmt: skip
 
 
 def flags(prefix: str = "") -> list[str]:
@@ -124,3 +125,83 @@ def test_the_sample_command_records_every_option(tmp_path):
     assert {k: config[k] for k in SAMPLING_OPTION_NAMES} == SamplingOptions(**GIVEN).record()
     lat = sample_latents(load_dit(str(ckpt)).net, [1, 2], [0, 1], options=SamplingOptions(**GIVEN))
     assert np.array_equal(read_npz(res["npz"]), to_uint8(decode_latents(lat, None)))
+
+
+# ---- cfg_interval: an option added through SamplingOptions alone ------------------------------
+
+
+@pytest.mark.parametrize("sampler", ["ddpm", "ddim", "dpm++2m"])
+def test_cfg_interval_guides_only_the_timesteps_inside_it(sampler):
+    net = random_dit()
+    y = torch.tensor([1, 2, 3])
+    kw = dict(sampler=sampler, num_steps=4, cfg_scale=3.0, seed=1)
+    guided, unguided = sample_latents(net, y, **kw), sample_latents(net, y, **{**kw, "cfg_scale": 1.0})
+    assert torch.equal(sample_latents(net, y, cfg_interval=(0, 999), **kw), guided)  # every step inside
+    assert torch.equal(sample_latents(net, y, cfg_interval=(1000, 2000), **kw), unguided)  # none
+    middle = sample_latents(net, y, cfg_interval=(300, 700), **kw)  # the steps near t = 500 only
+    assert not torch.allclose(middle, guided) and not torch.allclose(middle, unguided)
+
+
+def test_cfg_interval_in_one_batch_of_mixed_timesteps():
+    from dit_lightning.sampling import guided_model_fn
+
+    net = random_dit()
+    x, t, y = torch.randn(3, 4, 8, 8), torch.tensor([50, 300, 900]), torch.tensor([1, 2, 3])
+    out = guided_model_fn(net, 3.0, cfg_interval=(100, 500))(x, t, y)
+    torch.testing.assert_close(out[[0, 2]], net(x, t, y)[[0, 2]])
+    torch.testing.assert_close(out[1], guided_model_fn(net, 3.0)(x, t, y)[1])
+
+
+def test_cfg_interval_must_be_an_ordered_pair():
+    assert SamplingOptions(cfg_interval=[100, 600]).cfg_interval == (100.0, 600.0)
+    for bad in ((700, 200), (1, 2, 3)):
+        with pytest.raises(ValueError, match="cfg_interval"):
+            SamplingOptions(cfg_interval=bad)
+
+
+def test_cfg_interval_reaches_the_module_the_command_and_its_resume_check(tmp_path):
+    module = tiny_module(sample_steps=4, cfg_scale=3.0)
+    got = module.sample([1, 2], cfg_interval=(300, 700), seed=1)
+    want = sample_latents(
+        module.ema, [1, 2], num_steps=4, cfg_scale=3.0, cfg_interval=(300, 700), seed=1, clip_denoised=True
+    )
+    assert torch.equal(got, want) and not torch.equal(got, module.sample([1, 2], seed=1))
+
+    ckpt = tmp_path / "raw.pt"
+    torch.save(random_dit(in_channels=1, hidden_size=64, num_heads=1).state_dict(), ckpt)
+    kw = dict(labels=[1, 2], num_steps=4, cfg_scale=3.0, device="cpu", progress=False)
+    res = sample(str(ckpt), str(tmp_path / "out"), cfg_interval=(300, 700), **kw)
+    assert json.loads((tmp_path / "out" / "sample_config.json").read_text())["cfg_interval"] == [300.0, 700.0]
+    lat = sample_latents(
+        load_dit(str(ckpt)).net, [1, 2], num_steps=4, cfg_scale=3.0, cfg_interval=(300, 700), clip_denoised=True
+    )
+    assert np.array_equal(read_npz(res["npz"])[..., :1], to_uint8(decode_latents(lat, None)))
+    assert sample(str(ckpt), str(tmp_path / "out"), cfg_interval=[300, 700], **kw)["skipped"] == 2  # resumes
+    with pytest.raises(ValueError, match="cfg_interval"):
+        sample(str(ckpt), str(tmp_path / "out"), cfg_interval=(200, 700), **kw)
+    # a run directory from before the option existed guided every step
+    plain = sample(str(ckpt), str(tmp_path / "plain"), **kw)
+    config = json.loads((tmp_path / "plain" / "sample_config.json").read_text())
+    del config["cfg_interval"]
+    (tmp_path / "plain" / "sample_config.json").write_text(json.dumps(config))
+    assert plain["complete"] and sample(str(ckpt), str(tmp_path / "plain"), **kw)["skipped"] == 2
+
+
+def test_generation_metrics_samples_and_records_cfg_interval(store):
+    import lightning as L
+
+    from dit_lightning.data import LatentDataModule
+
+    dm = LatentDataModule(store, global_batch_size=32, val_size=32, num_workers=0, random_flip=False)
+    module = tiny_module(sample_steps=3, vae=dm.spec.vae)
+    seen = []
+    sample_with = module.sample
+    module.sample = lambda labels, options=None, **kw: seen.append(options) or sample_with(labels, options, **kw)
+    cb = GenerationMetrics(metrics=["digits"], num_samples=4, labels="0-9", cfg_scale=2.0, cfg_interval=(300, 700))
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[cb], limit_test_batches=1,
+    )  # fmt: skip
+    trainer.test(module, dm, verbose=False)
+    assert seen and all(o.cfg_interval == (300.0, 700.0) and o.cfg_scale == 2.0 for o in seen)
+    assert cb.last["sampling"]["cfg_interval"] == [300.0, 700.0] and cb.last["sampling"]["num_steps"] == 3
