@@ -27,9 +27,9 @@ from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_key
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
 from .precision import compute_dtype, grad_scaler, is_fp16, pending_grad_scale, set_tf32
-from .sampling import Sampler, sample_latents
+from .sampling import Sampler, SamplingOptions, sample_latents, sampling_options
 from .schedules import WarmupDecayLR
-from .vae import DEFAULT_SCALE_FACTOR, clip_denoised_for, decode_latents, is_pixel_space, load_vae
+from .vae import DEFAULT_SCALE_FACTOR, decode_latents, is_pixel_space, load_vae
 
 if TYPE_CHECKING:
     from lightning.pytorch.utilities.parsing import AttributeDict
@@ -530,41 +530,35 @@ class DiTModule(L.LightningModule):
     def sample(
         self,
         labels: Union[Tensor, Sequence[int]],
-        num_steps: Optional[int] = None,
-        sampler: Optional[Sampler] = None,
-        cfg_scale: Optional[float] = None,
-        guide_channels: Optional[int] = None,
-        seed: int = 0,
+        options: Optional[SamplingOptions] = None,
+        *,
+        indices: Optional[Union[Tensor, Sequence[int]]] = None,
         noise: Optional[Tensor] = None,
         use_ema: Optional[bool] = None,
-        eta: float = 0.0,
-        indices: Optional[Union[Tensor, Sequence[int]]] = None,
+        **overrides: Any,
     ) -> Tensor:
         """Class-conditional samples (latents, before the VAE's scale is undone) for ``labels``.
 
+        How: ``options`` and keyword ``overrides`` of its fields (``num_steps=50, sampler="ddim",
+        cfg_scale=4.0, seed=1``; :class:`~dit_lightning.sampling.SamplingOptions`); unset ones take
+        this module's ``sampler`` / ``sample_steps`` / ``cfg_scale`` / ``guide_channels``, and pixel
+        stores clamp each x_0 estimate to [-1, 1] (their data range; latents never).
         Sample ``indices[k]`` (default ``k``) draws its initial and per-step noise from keys
         (seed, index, step): the same call gives the same images, whatever the batching.
         """
         hp = self.hparams
         use_ema = (hp.eval_weights == "ema") if use_ema is None else use_ema
         net = self.ema if (use_ema and self.ema is not None) else self.model
+        opts = sampling_options(options, **overrides).over(SamplingOptions.from_hparams(hp, net.in_channels))
         with self._attention_context():
             return sample_latents(
                 net,
                 labels,
                 indices,
-                seed=seed,
-                sampler=sampler or hp.sampler,
-                num_steps=hp.sample_steps if num_steps is None else num_steps,
-                eta=eta,
-                cfg_scale=hp.cfg_scale if cfg_scale is None else cfg_scale,
-                guide_channels=hp.guide_channels if guide_channels is None else guide_channels,
+                options=opts,
                 noise_schedule=hp.noise_schedule,
                 diffusion_steps=hp.diffusion_steps,
                 noise=noise,
-                # Pixel stores clamp each x_0 estimate to [-1, 1] (their data range); latents never.
-                # Without a VAE name, judge by the channels as `dit-lightning sample` does.
-                clip_denoised=clip_denoised_for(hp.vae) if hp.vae else net.in_channels in (1, 3),
             )
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:

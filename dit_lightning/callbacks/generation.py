@@ -27,7 +27,7 @@ from ..evaluation.fid import (
 )
 from ..images import to_uint8
 from ..models import DiT
-from ..sampling import LabelPlan, LabelSpec, Sampler, parse_labels
+from ..sampling import LabelPlan, LabelSpec, SamplingOptions, parse_labels
 from ..vae import is_pixel_space
 from .checkpoint import run_path
 
@@ -45,7 +45,10 @@ class GenerationMetrics(L.Callback):
       the requested classes, and Fréchet distances in pixel and classifier space next to the
       real-vs-real floor (``dit_lightning.evaluation.digits``).
 
-    Sample ``i`` is keyed on ``(seed, i)`` as in ``dit-lightning sample`` (its label under
+    How the images are sampled: ``**sampling``, the fields of
+    :class:`~dit_lightning.sampling.SamplingOptions` as flat arguments (``sampler``, ``num_steps``,
+    ``cfg_scale``, ``guide_channels``, ``seed``...: ``--evaluation.cfg_scale``); unset ones take the
+    module's. Sample ``i`` is keyed on ``(seed, i)`` as in ``dit-lightning sample`` (its label under
     ``labels="random"``, its initial and per-step noise). Rank ``r`` of ``W`` makes samples
     ``r, r + W, ...``; the features of all ranks are gathered in index order, so the numbers do
     not depend on the number of devices or the batch size. Every check (metric names, Inception
@@ -68,12 +71,6 @@ class GenerationMetrics(L.Callback):
         kid_subset_size: KID's subset size (capped by the number of images).
         labels: "random" (uniform, keyed on seed and index: the FID protocol), "all" (cycled),
             "0-9", "1,5,7" or a list.
-        sampler: "ddpm" or "ddim"; None takes the module's.
-        num_steps: sampling steps; None takes the module's.
-        cfg_scale: classifier-free guidance scale; None takes the module's.
-        guide_channels: guide only the first N epsilon channels; None takes the module's.
-        eta: DDIM noise (0: deterministic).
-        seed: key of the labels and the noise.
         batch_size: images per sampling batch on each device (does not change the images).
         stages: "test" (default) and/or "validate" (after every validation epoch, also during fit:
             e.g. an FID-5K curve; never in the sanity check).
@@ -95,16 +92,12 @@ class GenerationMetrics(L.Callback):
         max_reference: Optional[int] = None,
         kid_subset_size: int = 1000,
         labels: LabelSpec = "random",
-        sampler: Optional[Sampler] = None,
-        num_steps: Optional[int] = None,
-        eta: float = 0.0,
-        cfg_scale: Optional[float] = None,
-        guide_channels: Optional[int] = None,
-        seed: int = 0,
         batch_size: int = 64,
         stages: list[Stage] = ["test"],  # noqa: B006
         output: Optional[str] = None,
+        **sampling: Any,
     ) -> None:
+        self.options = SamplingOptions(**sampling)  # jsonargparse reads the flat init args off this call
         self.metrics = [str(m).lower() for m in metrics]
         self.image_metrics = [m for m in self.metrics if m != "digits"]
         self.num_samples = int(num_samples)
@@ -119,9 +112,6 @@ class GenerationMetrics(L.Callback):
         self.max_reference = max_reference
         self.kid_subset_size = kid_subset_size
         self.labels = labels
-        self.sampler, self.num_steps, self.eta = sampler, num_steps, eta
-        self.cfg_scale, self.guide_channels = cfg_scale, guide_channels
-        self.seed = int(seed)
         self.batch_size = int(batch_size)
         self.stages = list(stages)
         self.output = output
@@ -150,7 +140,7 @@ class GenerationMetrics(L.Callback):
         if self.num_samples < 2:
             raise ValueError(f"num_samples must be at least 2 to measure anything, got {self.num_samples}")
         net = cast(DiT, pl_module.model)  # a DiTModule's network
-        parse_labels(self.labels, net.num_classes, seed=self.seed)  # raises for labels outside the model
+        parse_labels(self.labels, net.num_classes, seed=self.options.seed)  # raises for labels outside the model
         if "digits" in self.metrics and not (
             net.in_channels == 1 and net.num_classes == 10 and is_pixel_space(pl_module.hparams.get("vae"))
         ):
@@ -205,10 +195,7 @@ class GenerationMetrics(L.Callback):
             # forward is a collective) are sampled like the others and dropped after the gather.
             labels = plan(chunk.clamp(max=self.num_samples - 1))
             with trainer.precision_plugin.forward_context():
-                latents = pl_module.sample(
-                    labels, indices=chunk, seed=self.seed, num_steps=self.num_steps, sampler=self.sampler,
-                    cfg_scale=self.cfg_scale, guide_channels=self.guide_channels, eta=self.eta,
-                )  # fmt: skip
+                latents = pl_module.sample(labels, self.options, indices=chunk)
             images = torch.from_numpy(to_uint8(pl_module.decode(latents))).permute(0, 3, 1, 2)
             if self.image_metrics:
                 if self._extractor is None:
@@ -233,7 +220,7 @@ class GenerationMetrics(L.Callback):
         world, rank = trainer.world_size, trainer.global_rank
         per_rank = math.ceil(self.num_samples / world)
         indices = torch.arange(per_rank) * world + rank
-        plan = parse_labels(self.labels, pl_module.model.num_classes, seed=self.seed)
+        plan = parse_labels(self.labels, pl_module.model.num_classes, seed=self.options.seed)
         local = self._local_features(trainer, pl_module, indices, plan)
         gathered = {k: self._gather(trainer, v) for k, v in local.items()}
         result: Optional[dict[str, Any]] = None
@@ -267,14 +254,11 @@ class GenerationMetrics(L.Callback):
 
     def _run(self, trainer: L.Trainer, pl_module: Any, prefix: str) -> None:
         result = self.measure(trainer, pl_module)
+        # what DiTModule.sample ran: these options over the module's
+        ran = self.options.over(SamplingOptions.from_hparams(pl_module.hparams, pl_module.model.in_channels))
         sampling = {
             "labels": self.labels if isinstance(self.labels, str) else list(self.labels),
-            "sampler": self.sampler or pl_module.hparams.sampler,
-            "num_steps": pl_module.hparams.sample_steps if self.num_steps is None else self.num_steps,
-            "cfg_scale": pl_module.hparams.cfg_scale if self.cfg_scale is None else self.cfg_scale,
-            "guide_channels": pl_module.hparams.guide_channels if self.guide_channels is None else self.guide_channels,
-            "eta": self.eta,
-            "seed": self.seed,
+            **ran.resolved().record(),
             "weights": pl_module.hparams.eval_weights,
         }
         self.last = {**result, "stage": prefix, "sampling": sampling, "global_step": int(trainer.global_step)}

@@ -3,6 +3,7 @@ images: FID / IS / KID with torchmetrics, or the digits demo's classifier metric
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -15,8 +16,7 @@ from torch import Tensor, nn
 from ..atomic import check_writable, write_json
 from ..evaluation.digits import digits_metrics_from_samples
 from ..evaluation.fid import check_plain_npz, compute_metrics, find_inception_weights
-from ..precision import SamplingPrecision
-from ..sampling import LabelSpec, Sampler
+from ..sampling import SAMPLING_OPTION_NAMES, LabelSpec, SamplingOptions
 from .sample import Weights
 from .sample import sample as run_sampling
 
@@ -34,24 +34,23 @@ def evaluate(
     image_size: Optional[int] = None,
     max_reference: Optional[int] = None,
     labels: LabelSpec = "random",
-    sampler: Optional[Sampler] = None,
-    num_steps: Optional[int] = None,
-    eta: float = 0.0,
-    cfg_scale: Optional[float] = None,
-    guide_channels: Optional[int] = None,
-    seed: int = 0,
     batch_size: int = 32,
-    precision: SamplingPrecision = "fp32",
     weights: Weights = "ema",
     vae: Optional[str] = None,
     device: str = "auto",
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
     progress: bool = True,
+    **sampling: Any,
 ) -> Optional[dict[str, Any]]:
     """Sample ``num_samples`` images (as ``dit-lightning sample``: keyed, resumable, multi-rank) and
     measure them; writes ``output/metrics.json`` and returns the metrics (on the process that
     computed them). Settings are checked before sampling starts.
+
+    How the images are sampled: ``**sampling``, the fields of
+    :class:`~dit_lightning.sampling.SamplingOptions` as flat arguments (``--sampler``,
+    ``--num_steps``, ``--cfg_scale``, ``--guide_channels``, ``--seed``: also the key of the labels...);
+    unset ones take the checkpoint's settings, as ``dit-lightning sample``.
 
     Args:
         checkpoint: any DiT checkpoint (Lightning, reference ``{model, ema, opt, args}``, raw weights).
@@ -72,14 +71,7 @@ def evaluate(
         max_reference: use at most this many reference images.
         labels: "random" (uniform, keyed on seed and index: the FID protocol), "all", "0-9",
             "1,5,7" or a list.
-        sampler: "ddpm" or "ddim" (default: the checkpoint's, else DDPM).
-        num_steps: respaced sampling steps (default: the checkpoint's, else 250).
-        eta: DDIM noise (0: deterministic).
-        cfg_scale: classifier-free guidance scale (default: the checkpoint's, else 1: none).
-        guide_channels: guide only the first N epsilon channels (3: the reference's published FIDs).
-        seed: key of the labels and the noise: sample i depends only on (seed, i).
         batch_size: samples per forward (per rank); does not change the images.
-        precision: autocast of the DiT while sampling: fp32, bf16 or fp16.
         weights: "ema" (default) or "raw" training weights.
         vae: the VAE that decodes latents (default: the checkpoint's).
         device: "auto", "cpu" or "cuda" (under torchrun each rank takes cuda:LOCAL_RANK).
@@ -87,6 +79,7 @@ def evaluate(
         world_size: the number of processes sharing the samples (default: torchrun's WORLD_SIZE).
         progress: print progress and the result.
     """
+    options = SamplingOptions(**sampling)  # jsonargparse reads the flat flags off this call
     wanted = [m.strip().lower() for m in (metrics.split(",") if isinstance(metrics, str) else metrics) if m.strip()]
     known = {"fid", "is", "kid", "digits"}
     if not wanted or set(wanted) - known:
@@ -103,9 +96,8 @@ def evaluate(
         find_inception_weights(inception_weights)  # fail now, not after hours of sampling
     check_writable(output, "output directory", "Choose another --output.")
     result = run_sampling(
-        checkpoint, output, num_samples=num_samples, labels=labels, sampler=sampler, num_steps=num_steps, eta=eta,
-        cfg_scale=cfg_scale, guide_channels=guide_channels, seed=seed, batch_size=batch_size, precision=precision,
-        weights=weights, vae=vae, device=device, rank=rank, world_size=world_size, progress=progress,
+        checkpoint, output, num_samples=num_samples, labels=labels, batch_size=batch_size, weights=weights, vae=vae,
+        device=device, rank=rank, world_size=world_size, progress=progress, **dataclasses.asdict(options),
     )  # fmt: skip
     if not result["complete"]:
         return None  # another rank finishes the set and measures it
@@ -136,9 +128,7 @@ def evaluate(
     if "digits" in wanted:
         out["digits"] = digits_metrics_from_samples(samples_dir, limit=num_samples)
     config = json.loads((Path(output) / "sample_config.json").read_text())
-    out["sampling"] = {
-        k: config[k] for k in ("sampler", "num_steps", "cfg_scale", "guide_channels", "seed", "weights", "vae")
-    }
+    out["sampling"] = {k: config[k] for k in (*SAMPLING_OPTION_NAMES, "weights", "vae")}
     if progress:  # shown before it is written: a failing write loses nothing
         shown = {k: v for k, v in out.items() if k in ("fid", "is", "is_std", "kid", "kid_std", "num_samples")}
         if "digits" in out:

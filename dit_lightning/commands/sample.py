@@ -30,10 +30,16 @@ from torch import nn
 from ..atomic import remove_stale_temporaries, write_json
 from ..checkpoints import load_dit
 from ..images import existing_samples, save_sample, to_uint8, write_grid, write_npz_from_pngs
-from ..precision import SamplingPrecision
 from ..ranks import join_torchrun_group, rank_indices, resolve_device, resolve_rank
-from ..sampling import LabelSpec, Sampler, parse_labels, sample_latents
-from ..vae import DEFAULT_SCALE_FACTOR, DEFAULT_VAE, clip_denoised_for, decode_latents, is_pixel_space, load_vae
+from ..sampling import (
+    SAMPLING_OPTION_NAMES,
+    LabelSpec,
+    ResolvedSamplingOptions,
+    SamplingOptions,
+    parse_labels,
+    sample_latents,
+)
+from ..vae import DEFAULT_SCALE_FACTOR, DEFAULT_VAE, decode_latents, is_pixel_space, load_vae
 
 Weights = Literal["ema", "raw"]
 # A sample PNG is written in milliseconds: an older temporary file was left by a killed run.
@@ -41,12 +47,12 @@ _STALE_TMP_S = 60.0
 
 # Settings that determine the pixels of sample i; a resumed run must match them exactly.
 _IMAGE_KEYS = (
-    "weights_fingerprint", "weights", "labels", "sampler", "num_steps", "eta",
-    "cfg_scale", "guide_channels", "seed", "precision", "vae", "scale_factor", "num_heads",
-    "noise_schedule", "diffusion_steps", "clip_denoised",
+    "weights_fingerprint", "weights", "labels", "vae", "scale_factor", "num_heads", "noise_schedule",
+    "diffusion_steps", *SAMPLING_OPTION_NAMES,
 )  # fmt: skip
-# What a key absent from an older sample_config.json meant (those runs never clipped).
-_IMAGE_KEY_DEFAULTS: dict[str, Any] = {"clip_denoised": False}
+# What a sampling option absent from an older sample_config.json meant: the behaviour before the
+# option existed, which is its default (runs before `clip_denoised` never clipped).
+_IMAGE_KEY_DEFAULTS: dict[str, Any] = ResolvedSamplingOptions().record()
 
 
 def weights_fingerprint(net: nn.Module) -> str:
@@ -108,18 +114,10 @@ def sample(
     output: str,
     num_samples: Optional[int] = None,
     labels: LabelSpec = "random",
-    sampler: Optional[Sampler] = None,
-    num_steps: Optional[int] = None,
-    eta: float = 0.0,
-    cfg_scale: Optional[float] = None,
-    guide_channels: Optional[int] = None,
-    seed: int = 0,
     batch_size: int = 32,
-    precision: SamplingPrecision = "fp32",
     weights: Weights = "ema",
     vae: Optional[str] = None,
     scale_factor: Optional[float] = None,
-    clip_denoised: Optional[bool] = None,
     num_heads: Optional[int] = None,
     device: str = "auto",
     rank: Optional[int] = None,
@@ -128,8 +126,15 @@ def sample(
     grid_nrow: Optional[int] = None,
     write_npz: bool = True,
     progress: bool = True,
+    **sampling: Any,
 ) -> dict[str, Any]:
     """Sample images from a DiT checkpoint into ``output`` (PNGs, grid, ADM ``.npz``).
+
+    How the images are sampled: ``**sampling``, the fields of
+    :class:`~dit_lightning.sampling.SamplingOptions` as flat arguments (``--sampler``,
+    ``--num_steps``, ``--cfg_scale``, ``--guide_channels``, ``--seed``...); unset ones take the
+    Lightning checkpoint's settings, else DDPM-250 without guidance, and pixel stores (``vae``
+    "none/pixels") clamp each x_0 estimate to [-1, 1].
 
     Args:
         checkpoint: Lightning ``.ckpt``, reference ``{model, ema, opt, args}``, a raw state
@@ -139,26 +144,11 @@ def sample(
         num_samples: images to make (default: one per entry of an explicit label list).
         labels: "random" (keyed on seed and index), "all", "0-9", "1,5,7" or a list; an
             explicit list is cycled: sample i gets ``labels[i % len(labels)]``.
-        sampler: "ddpm" (ancestral, learned variance) or "ddim" (bit-exact with the
-            reference); or a diffusers scheduler with the model's betas: "dpm++2m",
-            "dpm++2m-karras", "dpm++2m-sde", "unipc", "deis", "euler", "euler-a",
-            "diffusers-ddim", "diffusers-ddpm". Default: the Lightning checkpoint's sampling
-            settings, else DDPM.
-        num_steps: respaced sampling steps (for the diffusers schedulers: network evaluations);
-            default: the checkpoint's, else 250.
-        eta: DDIM noise (0 deterministic; ddim and diffusers-ddim).
-        cfg_scale: classifier-free guidance scale (1: none; the paper's best FID used 1.5).
-        guide_channels: guide only the first N epsilon channels; 3 reproduces the reference
-            implementation the published FIDs were computed with; default all (correct).
-        seed: key of every random number; sample i depends only on (seed, i).
         batch_size: samples per forward (per rank); does not change the images.
-        precision: autocast of the DiT: "fp32", "bf16" or "fp16" (changes the images slightly).
         weights: "ema" (default) or "raw" training weights.
         vae: hub id or local directory of a diffusers AutoencoderKL, or "none/pixels" for pixel
             stores; default: the checkpoint's, else sd-vae-ft-ema for 4-channel latents.
         scale_factor: latent scale (default: the checkpoint's, else 0.18215 for a VAE).
-        clip_denoised: clamp each step's x_0 estimate to [-1, 1]; default: on for pixel stores
-            (``vae`` "none/pixels"), off for VAE latents (the published setting).
         num_heads: attention heads, when a raw checkpoint of a custom size does not match hidden/64.
         device: "auto", "cpu", "cuda"; under torchrun each rank takes cuda:LOCAL_RANK.
         rank: this process's rank (default: torch.distributed, then RANK from torchrun); ranks
@@ -171,7 +161,14 @@ def sample(
         progress: print progress to stderr.
     """
     t_start = time.perf_counter()
-    _check_arguments(num_steps=num_steps, num_samples=num_samples, batch_size=batch_size, grid_size=grid_size, eta=eta)
+    options = SamplingOptions(**sampling)  # jsonargparse reads the flat flags off this call
+    _check_arguments(
+        num_steps=options.num_steps,
+        eta=options.eta,
+        num_samples=num_samples,
+        batch_size=batch_size,
+        grid_size=grid_size,
+    )
     # Ranks given as arguments (separate jobs, tests) need no process group: the last one to
     # finish assembles the npz. Under torchrun we join its group for a final barrier.
     explicit_rank = rank is not None and world_size is not None
@@ -183,11 +180,6 @@ def sample(
         for note in loaded.notes:
             print(f"note: {note}", file=sys.stderr)
         net = loaded.net.requires_grad_(False)
-        d = loaded.sampling_defaults
-        sampler = sampler or d.get("sampler") or "ddpm"
-        num_steps = num_steps if num_steps is not None else (d.get("sample_steps") or 250)
-        cfg_scale = float(d.get("cfg_scale", 1.0) if cfg_scale is None else cfg_scale)
-        guide_channels = d.get("guide_channels") if guide_channels is None else guide_channels
         vae_name = vae or loaded.vae or (DEFAULT_VAE if net.in_channels == 4 else "none/pixels")
         pixels = is_pixel_space(vae_name)
         if pixels and net.in_channels not in (1, 3):
@@ -195,8 +187,9 @@ def sample(
         if scale_factor is None:
             scale_factor = 1.0 if pixels else (loaded.scale_factor or DEFAULT_SCALE_FACTOR)
         scale = float(scale_factor)
-        clip = clip_denoised_for(vae_name) if clip_denoised is None else bool(clip_denoised)
-        plan = parse_labels(labels, net.num_classes, seed)
+        model_defaults = SamplingOptions.from_hparams({**loaded.sampling_defaults, "vae": vae_name}, net.in_channels)
+        opts = options.over(model_defaults).resolved()
+        plan = parse_labels(labels, net.num_classes, opts.seed)
         if num_samples is None:
             if plan.classes is None:
                 raise ValueError("labels='random' needs num_samples")
@@ -218,19 +211,14 @@ def sample(
             "weights": loaded.weights,
             "labels": plan.describe(),
             "num_samples": int(num_samples),
-            "sampler": sampler,
-            "num_steps": int(num_steps),
-            "eta": float(eta) if sampler in ("ddim", "diffusers-ddim") else 0.0,
-            "cfg_scale": cfg_scale,
-            "guide_channels": guide_channels,
-            "seed": int(seed),
-            "precision": precision,
+            **opts.record(),
+            # other samplers ignore eta: a resume must not fail on it
+            "eta": opts.eta if opts.sampler in ("ddim", "diffusers-ddim") else 0.0,
             "vae": vae_name,
             "scale_factor": scale,
             "num_heads": loaded.config["num_heads"],
             "noise_schedule": loaded.noise_schedule,
             "diffusion_steps": loaded.diffusion_steps,
-            "clip_denoised": clip,
         }
         _check_or_write_config(out / "sample_config.json", config)
 
@@ -240,7 +228,8 @@ def sample(
         skipped = len(rank_indices(num_samples, rank, world_size)) - len(mine)
         _log(
             f"rank {rank}/{world_size}: {len(mine)} samples to make, {skipped} already on disk "
-            f"({sampler}-{num_steps}, cfg {cfg_scale}, {loaded.weights} weights, {precision}, {dev})",
+            f"({opts.sampler}-{opts.num_steps}, cfg {opts.cfg_scale}, {loaded.weights} weights, "
+            f"{opts.precision}, {dev})",
             progress,
         )
         vae_model = None if pixels else load_vae(vae_name, dev)
@@ -250,10 +239,8 @@ def sample(
             idx = torch.tensor(list(chunk), dtype=torch.long)
             y = plan(idx)
             latents = sample_latents(
-                net, y, idx, seed=seed, sampler=sampler, num_steps=num_steps, eta=eta, cfg_scale=cfg_scale,
-                guide_channels=guide_channels, precision=precision, noise_schedule=loaded.noise_schedule,
-                diffusion_steps=loaded.diffusion_steps, clip_denoised=clip,
-            )  # fmt: skip
+                net, y, idx, options=opts, noise_schedule=loaded.noise_schedule, diffusion_steps=loaded.diffusion_steps
+            )
             images = to_uint8(decode_latents(latents, vae_model if vae_model is not None else vae_name, scale))
             for k, (i, c) in enumerate(zip(idx.tolist(), y.tolist())):
                 save_sample(images[k], samples_dir, i, c)

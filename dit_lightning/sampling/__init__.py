@@ -1,6 +1,7 @@
-"""The sampling layer: which class each sample gets (:mod:`.labels`) and the loop that turns keyed
-noise into latents with guidance, DDPM or DDIM (:mod:`.loop`), or one of diffusers' multistep
-schedulers built from the model's betas (:mod:`.schedulers`). Pure PyTorch (+ diffusers).
+"""The sampling layer: which class each sample gets (:mod:`.labels`), how it is sampled (one
+:class:`SamplingOptions`, :mod:`.options`) and the loop that turns keyed noise into latents with
+guidance, DDPM or DDIM (:mod:`.loop`), or one of diffusers' multistep schedulers built from the
+model's betas (:mod:`.schedulers`). Pure PyTorch (+ diffusers).
 
 Decoding latents to images and writing files live in :mod:`dit_lightning.images`; loading a
 network from a checkpoint in :mod:`dit_lightning.checkpoints`; the ``sample`` command in
@@ -9,6 +10,7 @@ network from a checkpoint in :mod:`dit_lightning.checkpoints`; the ``sample`` co
 
 from .labels import LabelPlan, LabelSpec, SampleRequests, parse_labels
 from .loop import build_sampling_diffusion, guided_model_fn, initial_noise, sample_latents, step_noise
+from .options import SAMPLING_OPTION_NAMES, ResolvedSamplingOptions, SamplingOptions, sampling_options
 from .schedulers import (
     DIFFUSERS_SAMPLERS,
     DiffusersSampler,
@@ -24,8 +26,11 @@ __all__ = [
     "DiffusersSampler",
     "LabelPlan",
     "LabelSpec",
+    "ResolvedSamplingOptions",
+    "SAMPLING_OPTION_NAMES",
     "SampleRequests",
     "Sampler",
+    "SamplingOptions",
     "build_sampling_diffusion",
     "build_scheduler",
     "guided_model_fn",
@@ -34,6 +39,7 @@ __all__ = [
     "noise_schedule_of",
     "parse_labels",
     "sample_latents",
+    "sampling_options",
     "scheduler_config",
     "step_noise",
 ]

@@ -5,7 +5,8 @@ Every random number of sample ``i`` (its initial noise, the noise of every DDPM 
 a pure function of ``(seed, i, step)`` drawn with :mod:`dit_lightning.keyed_random`, not of a
 sequential generator; so sample ``i`` is the same image whatever the batch size, the number of
 ranks or the resume point (up to the last-bit differences batched GEMMs of different sizes may
-show). The module, the callbacks and the ``sample`` command all call :func:`sample_latents`.
+show). The module, the callbacks and the ``sample`` command all call :func:`sample_latents`, with
+the one :class:`~.options.SamplingOptions`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..diffusion import SpacedDiffusion, create_diffusion
 from ..keyed_random import keyed_normal, sample_keys
 from ..models.dit import DiT
 from ..precision import SamplingPrecision, autocast, to_dtype
+from .options import SamplingOptions, sampling_options
 from .schedulers import Sampler, check_sampler, is_diffusers_sampler, sample_with_scheduler
 
 # Keys of the counter-based random numbers; fixed forever, since they define which image
@@ -63,25 +65,36 @@ def guided_model_fn(
     guide_channels: Optional[int] = None,
     precision: SamplingPrecision = "fp32",
     force_cfg: bool = False,
+    cfg_interval: Optional[tuple[float, float]] = None,
 ) -> Callable[..., Tensor]:
     """``fn(x, t, y)`` -> model output for the (un-doubled) batch ``x``.
 
     With guidance the batch is doubled to ``[x, x]`` with labels ``[y, null]`` and combined by
     ``net.forward_with_cfg`` (``guide_channels=3``: the reference's published-FID variant); the
     first half is returned. Scale 1 skips the doubled batch (same result, half the cost)
-    unless ``force_cfg``. The network runs under autocast for bf16/fp16; the output is float32.
+    unless ``force_cfg``; so do timesteps outside ``cfg_interval = (lo, hi)``. The network runs
+    under autocast for bf16/fp16; the output is float32.
     """
     dtype = to_dtype(precision)
 
-    def run(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
-        if cfg_scale == 1.0 and not force_cfg:
-            return net(x, t, y)
+    def guided(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
         n = x.shape[0]
         null = torch.full_like(y, net.num_classes)
         out = net.forward_with_cfg(
             torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]), cfg_scale, guide_channels
         )
         return out[:n]
+
+    def run(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+        if cfg_scale == 1.0 and not force_cfg:
+            return net(x, t, y)
+        if cfg_interval is not None:
+            inside = (t >= cfg_interval[0]) & (t <= cfg_interval[1])
+            if not inside.any():  # the conditional prediction alone: no doubled batch
+                return net(x, t, y)
+            if not inside.all():  # a batch of mixed timesteps (the loops here step all samples together)
+                return torch.where(inside.view(-1, *[1] * (x.dim() - 1)), guided(x, t, y), net(x, t, y))
+        return guided(x, t, y)
 
     def fn(x: Tensor, t: Tensor, y: Tensor) -> Tensor:
         with autocast(x.device.type, dtype):
@@ -96,34 +109,35 @@ def sample_latents(
     labels: Union[Tensor, Sequence[int]],
     indices: Optional[Union[Tensor, Sequence[int]]] = None,
     *,
-    seed: int = 0,
-    sampler: Sampler = "ddpm",
-    num_steps: int = 250,
-    eta: float = 0.0,
-    cfg_scale: float = 1.0,
-    guide_channels: Optional[int] = None,
-    precision: SamplingPrecision = "fp32",
+    options: Optional[SamplingOptions] = None,
     noise_schedule: str = "linear",
     diffusion_steps: int = 1000,
     noise: Optional[Tensor] = None,
     noise_fn: Optional[Callable[[int, Tensor], Tensor]] = None,
     model_fn: Optional[Callable[..., Tensor]] = None,
-    clip_denoised: bool = False,
+    **overrides: Any,
 ) -> Tensor:
     """Latents (N, C, H, W) for ``labels``, sample ``indices[k]`` drawn from keys (seed, index).
+
+    How: ``options`` and keyword ``overrides`` of its fields (``sampler="ddim", num_steps=50,
+    cfg_scale=4.0, seed=1``; :class:`~.options.SamplingOptions`); unset ones take the library's
+    defaults (DDPM-250, no guidance, no x0 clamp), a model's are ``DiTModule.sample``'s.
+    ``noise_schedule`` and ``diffusion_steps`` are the model's training process.
 
     ``indices`` default to ``0..N-1``. ``noise`` overrides x_T; ``noise_fn(step, x)`` overrides
     the per-step noise (tests use it to replay a ``torch.Generator``). DDPM is ancestral
     sampling with the learned variance; DDIM ignores the variance and adds ``eta``-scaled
     noise (eta 0: deterministic given x_T).
 
-    ``clip_denoised`` clamps every step's estimate of x_0 to [-1, 1] (both samplers). Off by
-    default: VAE latents are unbounded and DiT's published numbers sample them unclipped.
-    Pixel stores should pass ``clip_denoised_for(vae)`` (True): their data lie in [-1, 1], and
-    without the clamp a step where alphas_cumprod is tiny turns a small epsilon error into a
-    huge x_0 (the cosine schedule's last step, acp ~ 2.4e-9, multiplies it by ~2e4) that
-    ancestral sampling carries into the next inputs of the network.
+    ``clip_denoised`` clamps every step's estimate of x_0 to [-1, 1] (every sampler). Pixel
+    stores need it (``clip_denoised_for(vae)``): without the clamp a step where alphas_cumprod
+    is tiny turns a small epsilon error into a huge x_0 (the cosine schedule's last step,
+    acp ~ 2.4e-9, multiplies it by ~2e4) that ancestral sampling carries into the next inputs
+    of the network. VAE latents are unbounded, and DiT's published numbers sample them unclipped.
     """
+    if isinstance(indices, SamplingOptions):
+        raise TypeError("options are passed by name: sample_latents(net, labels, indices, options=...)")
+    opts = sampling_options(options, **overrides).resolved()
     device = next(net.parameters()).device
     y = torch.as_tensor(labels, dtype=torch.long).to(device)
     n = y.shape[0]
@@ -131,13 +145,16 @@ def sample_latents(
     if idx.shape != (n,):
         raise ValueError(f"{n} labels but indices of shape {tuple(idx.shape)}")
     shape = (net.in_channels, net.input_size, net.input_size)
-    check_sampler(sampler)
+    seed = opts.seed
+    check_sampler(opts.sampler)
     diffusion = (
         None
-        if is_diffusers_sampler(sampler)  # a diffusers scheduler, built in sample_with_scheduler
-        else build_sampling_diffusion(sampler, num_steps, noise_schedule, diffusion_steps, net.learn_sigma)
+        if is_diffusers_sampler(opts.sampler)  # a diffusers scheduler, built in sample_with_scheduler
+        else build_sampling_diffusion(opts.sampler, opts.num_steps, noise_schedule, diffusion_steps, net.learn_sigma)
     )
-    fn = model_fn or guided_model_fn(net, cfg_scale, guide_channels, precision)
+    fn = model_fn or guided_model_fn(
+        net, opts.cfg_scale, opts.guide_channels, opts.precision, cfg_interval=opts.cfg_interval
+    )
     if noise_fn is None:
         idx_dev = idx.to(device)
 
@@ -150,19 +167,18 @@ def sample_latents(
     was_training = net.training
     net.eval()
     common: dict[str, Any] = dict(
-        noise=x, clip_denoised=clip_denoised, model_kwargs={"y": y}, device=device, noise_fn=noise_fn
+        noise=x, clip_denoised=opts.clip_denoised, model_kwargs={"y": y}, device=device, noise_fn=noise_fn
     )
     try:
         if diffusion is None:
             x = sample_with_scheduler(
-                fn, x, y, idx, sampler=sampler, num_steps=num_steps, seed=seed, in_channels=net.in_channels,
-                learn_sigma=net.learn_sigma, noise_schedule=noise_schedule, diffusion_steps=diffusion_steps,
-                eta=eta, clip_denoised=clip_denoised, noise_fn=noise_fn,
+                fn, x, y, idx, opts, in_channels=net.in_channels, learn_sigma=net.learn_sigma,
+                noise_schedule=noise_schedule, diffusion_steps=diffusion_steps, noise_fn=noise_fn,
             )  # fmt: skip
-        elif sampler == "ddpm":
+        elif opts.sampler == "ddpm":
             x = diffusion.p_sample_loop(fn, x.shape, **common)
         else:
-            x = diffusion.ddim_sample_loop(fn, x.shape, eta=eta, **common)
+            x = diffusion.ddim_sample_loop(fn, x.shape, eta=opts.eta, **common)
     finally:
         net.train(was_training)
     return x

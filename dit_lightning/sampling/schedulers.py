@@ -25,12 +25,15 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any, Literal, Optional, get_args
+from typing import TYPE_CHECKING, Any, Literal, Optional, get_args
 
 import torch
 from torch import Tensor
 
 from ..keyed_random import sample_keys
+
+if TYPE_CHECKING:  # options.py imports Sampler from here
+    from .options import ResolvedSamplingOptions
 
 # The diffusion's own loops (reference parity) and diffusers' schedulers.
 ReferenceSampler = Literal["ddpm", "ddim"]
@@ -194,23 +197,20 @@ def sample_with_scheduler(
     x: Tensor,
     y: Tensor,
     indices: Tensor,
+    options: ResolvedSamplingOptions,
     *,
-    sampler: str,
-    num_steps: int,
-    seed: int,
     in_channels: int,
     learn_sigma: bool,
     noise_schedule: str = "linear",
     diffusion_steps: int = 1000,
-    eta: float = 0.0,
-    clip_denoised: bool = False,
     noise_fn: Optional[Callable[[int, Tensor], Tensor]] = None,
 ) -> Tensor:
-    """Run diffusers scheduler ``sampler`` for ``num_steps`` steps from the unit noise ``x``.
+    """Run diffusers scheduler ``options.sampler`` for ``options.num_steps`` steps from the unit noise ``x``.
 
     ``fn(x, t, y)`` is the (guided) model, returning epsilon first; ``noise_fn(step, x)`` the
     keyed noise of a step (used where the scheduler accepts ``variance_noise``).
     """
+    sampler, num_steps, eta = options.sampler, options.num_steps, options.eta
     if not 1 <= num_steps <= diffusion_steps:
         raise ValueError(f"num_steps must be in 1..{diffusion_steps}, got {num_steps}")
     device = x.device
@@ -229,7 +229,7 @@ def sample_with_scheduler(
         model_in = scheduler.scale_model_input(x, t)
         out = fn(model_in, torch.full((n,), float(t), device=device), y)
         eps = out[:, :in_channels]
-        if clip_denoised:
+        if options.clip_denoised:
             eps = clipped_epsilon(model_in, eps, _alpha_bar(scheduler, k, t))
         model_output = torch.cat([eps, out[:, in_channels:]], dim=1) if full_output else eps
         kwargs: dict[str, Any] = {}
@@ -239,6 +239,6 @@ def sample_with_scheduler(
             if noise_fn is not None:
                 kwargs["variance_noise"] = noise_fn(k, x)
         elif draws_noise:
-            kwargs["generator"] = _per_sample_generators(indices, seed, k)
+            kwargs["generator"] = _per_sample_generators(indices, options.seed, k)
         x = scheduler.step(model_output, t, x, **kwargs).prev_sample
     return x

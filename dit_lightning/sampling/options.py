@@ -1,0 +1,143 @@
+"""The sampling options: one dataclass for every setting that, with the network and a sample's
+index, fixes the sample's image.
+
+The sampling loop (:func:`~.loop.sample_latents`), ``DiTModule.sample``, the ``sample`` and
+``evaluate`` commands and ``GenerationMetrics`` all take a :class:`SamplingOptions`. The commands
+and the callback take its fields as flat keyword arguments (``**sampling``) and build it with
+``SamplingOptions(**sampling)``: jsonargparse follows that call, so the command lines keep flat
+flags (``--sampler``, ``--num_steps``, ``--evaluation.cfg_scale``) with this class's documentation
+as their help, and the records (``sample_config.json`` and its resume check, the metrics files)
+list every field.
+
+So a new option is a field here (its default: the behaviour before it existed, which is also
+what an older ``sample_config.json`` without it meant), the code that uses it in :mod:`.loop` or
+:mod:`.schedulers`, and a test; no front end names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..precision import SamplingPrecision
+from ..vae import clip_denoised_for
+from .schedulers import Sampler
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingOptions:
+    """How latents are sampled: every setting that, with the network and the sample's index,
+    fixes its image (the batch size, the device and the number of ranks do not).
+
+    ``None`` means unset: the model's setting (:meth:`from_hparams`: a ``DiTModule``'s, or the
+    one a Lightning checkpoint recorded), else the library's default
+    (:class:`ResolvedSamplingOptions`: DDPM, 250 steps, no guidance, no x0 clamp).
+
+    Attributes:
+        sampler: "ddpm" (ancestral, learned variance) or "ddim" (bit-exact with the reference);
+            or a diffusers scheduler with the model's betas: "dpm++2m", "dpm++2m-karras",
+            "dpm++2m-sde", "unipc", "deis", "euler", "euler-a", "diffusers-ddim",
+            "diffusers-ddpm" (docs/sampling.md). Unset: the model's, else DDPM.
+        num_steps: respaced sampling steps (for the diffusers schedulers: network evaluations);
+            unset: the model's, else 250 (the paper's).
+        cfg_scale: classifier-free guidance scale (1: none; the paper's best FID used 1.5);
+            unset: the model's, else 1.
+        guide_channels: guide only the first N epsilon channels; 3 reproduces the reference
+            implementation the published FIDs were computed with; unset: the model's, else all
+            (correct).
+        cfg_interval: guide only the steps at training timesteps lo <= t <= hi, e.g. [200, 700]
+            (0: the data end, diffusion_steps - 1: pure noise); the others take the conditional
+            prediction, at half the cost. Guidance is harmful at the highest noise levels and
+            largely unnecessary at the lowest (Kynkäänniemi et al. 2024, "Applying guidance in a
+            limited interval", arXiv 2404.07724). Unset: every step.
+        eta: DDIM noise (0: deterministic; ddim and diffusers-ddim).
+        clip_denoised: clamp each step's x_0 estimate to [-1, 1]; unset: the store's rule, on for
+            pixel stores (their data lie in [-1, 1]), off for VAE latents (unbounded; the
+            published setting).
+        precision: autocast of the DiT: "fp32", "bf16" or "fp16" (changes the images slightly).
+        seed: key of every random number (the noise, the classes of labels "random"): sample i
+            depends only on (seed, i).
+    """
+
+    sampler: Optional[Sampler] = None
+    num_steps: Optional[int] = None
+    cfg_scale: Optional[float] = None
+    guide_channels: Optional[int] = None
+    cfg_interval: Optional[tuple[float, float]] = None
+    eta: float = 0.0
+    clip_denoised: Optional[bool] = None
+    precision: SamplingPrecision = "fp32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cfg_interval is not None:
+            interval = tuple(float(t) for t in self.cfg_interval)  # a list from YAML or JSON too
+            if len(interval) != 2 or interval[0] > interval[1]:
+                raise ValueError(f"cfg_interval {list(self.cfg_interval)}: give [lo, hi] timesteps with lo <= hi")
+            object.__setattr__(self, "cfg_interval", interval)  # frozen: set once, normalised
+
+    def replace(self, **changes: Any) -> SamplingOptions:
+        """A copy with ``changes`` (field names; another name is a TypeError that lists them)."""
+        unknown = sorted(set(changes) - set(SAMPLING_OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"unknown sampling option(s) {unknown}: choose from {', '.join(SAMPLING_OPTION_NAMES)}")
+        return dataclasses.replace(self, **changes)
+
+    def over(self, defaults: SamplingOptions) -> SamplingOptions:
+        """These options, the unset ones taken from ``defaults`` (e.g. :meth:`from_hparams`)."""
+        unset = {name: getattr(defaults, name) for name in SAMPLING_OPTION_NAMES if getattr(self, name) is None}
+        return dataclasses.replace(self, **unset)
+
+    def resolved(self) -> ResolvedSamplingOptions:
+        """Every option set: the unset ones at the library's defaults."""
+        given = {name: getattr(self, name) for name in SAMPLING_OPTION_NAMES}
+        return ResolvedSamplingOptions(**{k: v for k, v in given.items() if v is not None})
+
+    def record(self) -> dict[str, Any]:
+        """The fields as JSON values (what ``sample_config.json`` and the metrics files hold, so
+        that a record read back compares equal)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_hparams(cls, hparams: Mapping[str, Any], in_channels: int) -> SamplingOptions:
+        """The settings a model brings: a ``DiTModule``'s hyper-parameters ``sampler``,
+        ``sample_steps``, ``cfg_scale`` and ``guide_channels`` (or those a Lightning checkpoint
+        recorded; absent ones stay unset), and the x0 clamp of its store: on for pixel stores
+        (``vae`` "none/pixels"; without a VAE name, 1 or 3 channels), off for VAE latents."""
+        vae = hparams.get("vae")
+        return cls(
+            sampler=hparams.get("sampler"),
+            num_steps=hparams.get("sample_steps"),
+            cfg_scale=hparams.get("cfg_scale"),
+            guide_channels=hparams.get("guide_channels"),
+            clip_denoised=clip_denoised_for(vae) if vae else in_channels in (1, 3),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedSamplingOptions(SamplingOptions):
+    """:class:`SamplingOptions` with every option set, what the sampling loop runs; its defaults
+    are the library's for the options a model may set."""
+
+    sampler: Sampler = "ddpm"
+    num_steps: int = 250
+    cfg_scale: float = 1.0
+    clip_denoised: bool = False
+
+
+SAMPLING_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingOptions))
+
+
+def sampling_options(options: Optional[SamplingOptions] = None, **overrides: Any) -> SamplingOptions:
+    """``options`` (default: every option unset) with keyword ``overrides`` of its fields: both
+    spellings ``sample_latents`` and ``DiTModule.sample`` take (``num_steps=50, cfg_scale=4.0``)."""
+    if options is None:
+        options = SamplingOptions()
+    elif not isinstance(options, SamplingOptions):
+        raise TypeError(
+            f"options must be a SamplingOptions, got {type(options).__name__}: pass settings by name (num_steps=...)"
+        )
+    return options.replace(**overrides) if overrides else options
