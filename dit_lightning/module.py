@@ -374,6 +374,7 @@ class DiTModule(L.LightningModule):
     # out-of-memory error before the step is redone (it changes the setting, or raises to give up).
     micro_batch_size: Optional[int] = None
     out_of_memory_handler: Optional[Callable[[str, int], None]] = None
+    _step_accumulated = False  # this step's gradients were accumulated inside training_step
 
     def training_losses(self, batch: dict[str, Tensor], step: int) -> dict[str, Tensor]:
         """The objective of one (micro-)batch at optimiser step ``step``: ``loss`` and the terms to log
@@ -454,12 +455,12 @@ class DiTModule(L.LightningModule):
         params = [p for p in self.parameters() if p.requires_grad]
         if self.trainer.world_size == 1:
             params = params[:1]  # nothing to reduce: one parameter keeps the backward pass trivial
-        return torch.stack([p.view(-1)[0] for p in params]).sum() * 0.0
+        return torch.stack([p.reshape(-1)[0] for p in params]).sum() * 0.0
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         # Lightning zeroes the gradients between training_step and its backward pass: a redoable step
         # has accumulated them inside training_step already, and they must stay.
-        if getattr(self, "_step_accumulated", False):
+        if self._step_accumulated:
             self._step_accumulated = False
             return
         super().optimizer_zero_grad(epoch, batch_idx, optimizer)
