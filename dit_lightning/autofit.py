@@ -44,6 +44,7 @@ from .planner.memory import (
     plan_memory,
 )
 from .planner.recommend import Recommendation, checkpoint_spelling, estimate_step_time, nominal_spec, recommend
+from .precision import best_mixed_precision
 
 CheckpointPin = Union[int, str, list[int], tuple[int, ...]]
 
@@ -499,7 +500,7 @@ def nothing_fits_message(problem: FitProblem, ranking: list[Setting]) -> str:
         q = dataclasses.replace(p, ema=False, _cache={})
         levers.append(f"no EMA (--model.ema false): {_size(smallest_of(q))}" + _fits(smallest_of(q), budget))
     if p.device == "cuda" and (p.precision == "32-true"):
-        q = dataclasses.replace(p, precision="bf16-mixed" if p.bf16 else "16-mixed", _cache={})
+        q = dataclasses.replace(p, precision=best_mixed_precision(p.bf16), _cache={})
         levers.append(f"--trainer.precision {q.precision}: {_size(smallest_of(q))}" + _fits(smallest_of(q), budget))
     if p.world_size > 1 and p.strategy == "ddp":
         q = dataclasses.replace(p, strategy="fsdp", sharding="FULL_SHARD", _cache={})
@@ -532,7 +533,7 @@ def _precisions(p: FitProblem) -> list[str]:
         return [p.precision]
     if p.device == "cpu":
         return ["32-true"]
-    return ["bf16-mixed" if p.bf16 else "16-mixed"]
+    return [best_mixed_precision(p.bf16)]
 
 
 # ---- back off, speed up ----------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from ..planner.memory import (
     DeviceKind,
     MemoryPlan,
     OptimizerName,
-    Precision,
     Sharding,
     Strategy,
     plan_memory,
@@ -20,13 +19,14 @@ from ..planner.memory import (
 from ..planner.profiles import fit_command, render_yaml
 from ..planner.recommend import Recommendation, recommend
 from ..planner.report import render_memory, render_recommendation
+from ..precision import TrainingPrecision
 
 
 def plan(
     model: str = "DiT-XL/2",
     latent_size: int = 32,
     micro_batch: int = 32,
-    precision: Optional[Precision] = None,
+    precision: Optional[TrainingPrecision] = None,
     activation_checkpointing: Optional[CheckpointArg] = None,
     strategy: Optional[Strategy] = None,
     sharding: Optional[Sharding] = None,

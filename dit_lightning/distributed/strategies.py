@@ -32,10 +32,8 @@ from torch import nn
 
 from ..atomic import fsync_dir
 from ..models import DiT, DiTBlock
-from ..precision import optional_dtype
+from ..precision import DTypeName, optional_dtype
 from .sharding import _dit_children
-
-DTypeName = Literal["float32", "bfloat16", "float16"]
 
 
 class DiTDDPStrategy(DDPStrategy):

@@ -29,9 +29,9 @@ from typing import Literal, Optional, Union
 
 from ..models.dit import resolve_checkpoint_blocks
 from ..models.flops import DiTShape, shape_of
+from ..precision import TRAINING_PRECISIONS, TrainingPrecision, is_mixed, itemsize
 from .hardware import GPUSpec, gpu_spec
 
-Precision = Literal["32-true", "16-mixed", "bf16-mixed"]
 Strategy = Literal["ddp", "fsdp"]
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP"]
 OptimizerName = Literal["adamw", "adamw8bit", "sgd"]
@@ -288,7 +288,7 @@ def state_per_device(
     strategy: Strategy = "fsdp",
     sharding: Sharding = "FULL_SHARD",
     shard_group: Optional[int] = None,
-    precision: Precision = "bf16-mixed",
+    precision: TrainingPrecision = "bf16-mixed",
     optimizer: OptimizerName = "adamw",
     ema: bool = True,
 ) -> dict[str, float]:
@@ -303,7 +303,7 @@ def state_per_device(
     fsdp = strategy == "fsdp" and world_size > 1
     shards = (shard_group or world_size) if fsdp else 1
     out = {k: v / GiB for k, v in _state_bytes(pc, shards, optimizer, ema).items()}
-    out["gathered"] = _gathered_bytes(pc, 4 if precision == "32-true" else 2, sharding) / GiB if fsdp else 0.0
+    out["gathered"] = _gathered_bytes(pc, itemsize(precision), sharding) / GiB if fsdp else 0.0
     out["total"] = sum(out.values())
     return out
 
@@ -312,7 +312,7 @@ def plan_memory(
     model: str = "DiT-XL/2",
     latent_size: int = 32,
     micro_batch: int = 32,
-    precision: Precision = "bf16-mixed",
+    precision: TrainingPrecision = "bf16-mixed",
     activation_checkpointing: Union[CheckpointArg, Sequence[int], None] = "none",
     strategy: Strategy = "ddp",
     sharding: Sharding = "FULL_SHARD",
@@ -377,15 +377,15 @@ def plan_memory(
     )
     if latent_size % shape.patch_size:
         raise ValueError(f"patch size {shape.patch_size} does not divide latent size {latent_size}")
-    if precision not in ("32-true", "16-mixed", "bf16-mixed"):
-        raise ValueError(f"precision must be 32-true, 16-mixed or bf16-mixed, got {precision!r}")
+    if precision not in TRAINING_PRECISIONS:
+        raise ValueError(f"precision must be {', '.join(TRAINING_PRECISIONS)}, got {precision!r}")
     if micro_batch < 1 or world_size < 1 or accumulate_grad_batches < 1:
         raise ValueError("micro_batch, world_size and accumulate_grad_batches must be >= 1")
     spec: Optional[GPUSpec] = gpu_spec(gpu) if gpu else None
     budget = int(memory_gib * GiB) if memory_gib is not None else (int(spec.usable_gib * GiB) if spec else None)
 
     n = micro_batch
-    mixed = precision != "32-true"
+    mixed = is_mixed(precision)
     attn: Literal["flash", "math"] = "flash" if attention == "auto" else attention
     recomputed = checkpointed_block_indices(activation_checkpointing, shape.depth)
     k = len(recomputed)
@@ -408,7 +408,7 @@ def plan_memory(
     g_blk = 4 * p_blk // w
     g_tail = 4 * pc["tail"] // w
     buckets = 4 * p_train if (ddp and not ddp_gradient_as_bucket_view) else 0
-    pb = 2 if mixed else 4  # FSDP's unsharded parameter dtype (Lightning: param_dtype follows precision)
+    pb = itemsize(precision)  # FSDP's unsharded parameter dtype (Lightning: param_dtype follows precision)
     working = _gathered_bytes(pc, pb, sharding) if fsdp else 0
 
     # ---- activations ----------------------------------------------------------------------

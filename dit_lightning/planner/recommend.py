@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 from ..models.flops import shape_of, training_flops
-from ..precision import to_dtype
+from ..precision import TrainingPrecision, best_mixed_precision, itemsize, to_dtype
 from .hardware import GPUS, GPUSpec, gpu_spec, local_gpu
 from .memory import (
     AttentionKind,
@@ -34,7 +34,6 @@ from .memory import (
     GiB,
     MemoryPlan,
     OptimizerName,
-    Precision,
     Sharding,
     Strategy,
     checkpointed_block_indices,
@@ -175,7 +174,7 @@ def estimate_step_time(
     comm = 0.0
     if world_size > 1:
         ring = 2 * (world_size - 1) / world_size
-        pbytes = 2 if precision != "32-true" else 4
+        pbytes = itemsize(precision)
         if strategy == "ddp":
             traffic = ring * 4 * pc["trainable"]  # fp32 gradient all-reduce
         elif sharding == "FULL_SHARD":
@@ -200,7 +199,7 @@ def recommend(
     num_gpus: int = 1,
     global_batch: int = 256,
     latent_size: int = 32,
-    precision: Optional[Precision] = None,
+    precision: Optional[TrainingPrecision] = None,
     strategy: Optional[Strategy] = None,
     sharding: Optional[Sharding] = None,
     micro_batch: Optional[int] = None,
@@ -263,14 +262,14 @@ def recommend(
     depth = shape.depth
     skw = dict(latent_size=latent_size, **shape_kwargs)
 
-    precisions: list[Precision]
+    precisions: list[TrainingPrecision]
     layouts: list[tuple[Strategy, Optional[Sharding]]]
     if precision is not None:
         precisions = [precision]
     elif device == "cpu":
         precisions = ["32-true"]
     else:
-        precisions = ["bf16-mixed" if spec.supports_bf16 else "16-mixed", "32-true"]
+        precisions = [best_mixed_precision(spec.supports_bf16), "32-true"]
     pinned_blocks = (
         None if activation_checkpointing is None else checkpointed_block_indices(activation_checkpointing, depth)
     )
@@ -289,7 +288,7 @@ def recommend(
         )
 
     def memory(
-        prec: Precision, strat: Strategy, shard: Optional[Sharding], mb: int, k: Union[int, Sequence[int]]
+        prec: TrainingPrecision, strat: Strategy, shard: Optional[Sharding], mb: int, k: Union[int, Sequence[int]]
     ) -> MemoryPlan:
         return plan_memory(
             model,
