@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from ..planner.hardware import gpu_names, gpu_spec, local_gpu
 from ..planner.memory import (
@@ -12,6 +12,7 @@ from ..planner.memory import (
     DeviceKind,
     MemoryPlan,
     OptimizerName,
+    PlanOptions,
     Sharding,
     Strategy,
     plan_memory,
@@ -92,14 +93,6 @@ def plan(
         in_channels: latent channels (4 for the SD VAE).
         num_classes: number of classes (1000 for ImageNet).
     """
-    shape: dict[str, Any] = dict(
-        depth=depth,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        patch_size=patch_size,
-        in_channels=in_channels,
-        num_classes=num_classes,
-    )
     if format == "yaml" and not fit:
         raise ValueError("--format yaml writes a hardware profile of a recommendation: add --fit")
     if gpu is not None and gpu.strip().lower() == "auto":
@@ -114,52 +107,45 @@ def plan(
         )
     elif gpu is not None:
         gpu = gpu_spec(gpu).name  # any spelling the table knows, or a clear error
+    # The run as the planner sees it; in plan mode its unset settings are plan_memory's defaults,
+    # with --fit recommend searches them (--fit_micro_batch pins the micro-batch there).
+    options = PlanOptions(
+        model=model,
+        latent_size=latent_size,
+        depth=depth,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        patch_size=patch_size,
+        in_channels=in_channels,
+        num_classes=num_classes,
+        micro_batch=fit_micro_batch if fit else micro_batch,
+        accumulate_grad_batches=None if fit else accumulate_grad_batches,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        strategy=strategy,
+        sharding=sharding,
+        world_size=world_size,
+        shard_group=shard_group,
+        optimizer=optimizer,
+        ema=ema,
+        attention=attention,
+        device=device,
+    )
     result: Union[MemoryPlan, Recommendation]
     if fit:
         rec = recommend(
-            model,
+            options,
             gpu=gpu,
-            num_gpus=world_size,
             global_batch=global_batch,
-            latent_size=latent_size,
-            precision=precision,
-            strategy=strategy,
-            sharding=sharding,
-            micro_batch=fit_micro_batch,
-            optimizer=optimizer,
-            ema=ema,
             memory_gib=memory_gib,
             mfu=mfu,
             steps=steps,
             price_per_gpu_hour=price_per_gpu_hour,
-            activation_checkpointing=activation_checkpointing,
-            device=device,
-            attention=attention,
-            shard_group=shard_group,
-            **shape,
         )
         rec.command = fit_command(rec)
         result = rec
     else:
-        result = plan_memory(
-            model,
-            latent_size=latent_size,
-            micro_batch=micro_batch,
-            precision=precision or "bf16-mixed",
-            activation_checkpointing="none" if activation_checkpointing is None else activation_checkpointing,
-            strategy=strategy or "ddp",
-            sharding=sharding or "FULL_SHARD",
-            world_size=world_size,
-            shard_group=shard_group,
-            optimizer=optimizer,
-            ema=ema,
-            accumulate_grad_batches=accumulate_grad_batches,
-            gpu=gpu,
-            memory_gib=memory_gib,
-            attention=attention,
-            device=device,
-            **shape,
-        )
+        result = plan_memory(options, gpu=gpu, memory_gib=memory_gib)
     if format == "json":
         sys.stdout.write(result.to_json() + "\n")
     elif format == "yaml" and isinstance(result, Recommendation):

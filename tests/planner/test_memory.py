@@ -7,8 +7,16 @@ import pytest
 import torch
 
 from dit_lightning.models import build_dit, dit_params, shape_of
-from dit_lightning.planner import GiB, block_activation_terms, param_counts, plan_memory, state_per_device
+from dit_lightning.planner import (
+    GiB,
+    PlanOptions,
+    block_activation_terms,
+    param_counts,
+    plan_memory,
+    state_per_device,
+)
 from dit_lightning.planner.measure import TrainingStep, cpu_allocator_peak, measure_cpu_step_peak
+from dit_lightning.planner.memory import PLAN_DEFAULTS
 
 SMALL = dict(depth=3, hidden_size=96, num_heads=4, patch_size=2, num_classes=10)
 
@@ -174,3 +182,28 @@ def test_state_per_device_shards_as_documented():
     plan = plan_memory("DiT-XL/2", world_size=8, strategy="fsdp", sharding="FULL_SHARD", micro_batch=1)
     assert plan.optimizer_states / 1024**3 == pytest.approx(full["optimizer"])
     assert plan.ema_weights / 1024**3 == pytest.approx(full["ema"])
+
+
+def test_plan_options_are_the_keyword_call_and_plan_the_documented_defaults():
+    """``plan_memory(PlanOptions(...))`` and the keyword call are one plan; unset settings are PLAN_DEFAULTS."""
+    o = PlanOptions(
+        "DiT-B/2", micro_batch=16, precision="16-mixed", activation_checkpointing="half", strategy="fsdp", world_size=4
+    )
+    keywords = dict(
+        micro_batch=16, precision="16-mixed", activation_checkpointing="half", strategy="fsdp", world_size=4
+    )
+    assert plan_memory(o, gpu="rtx4090") == plan_memory("DiT-B/2", gpu="rtx4090", **keywords)
+    assert plan_memory(o, ema=False) == plan_memory(o.replace(ema=False)) != plan_memory(o)
+    assert PlanOptions().planned() == PlanOptions(**PLAN_DEFAULTS)
+    default = plan_memory(PlanOptions())
+    assert (default.model, default.micro_batch, default.precision, default.checkpointed_blocks) == (
+        "DiT-XL/2",
+        32,
+        "bf16-mixed",
+        0,
+    )
+    assert (default.strategy, default.accumulate_grad_batches) == ("single device", 1)
+    with pytest.raises(TypeError, match="micro_batchh"):
+        plan_memory("DiT-XL/2", micro_batchh=8)  # a misspelt lever is an error, not ignored
+    with pytest.raises(ValueError, match="precision must be 32-true, 16-mixed, bf16-mixed"):
+        plan_memory(precision="bf16")
