@@ -55,6 +55,7 @@ def plan(
     patch_size: Optional[int] = None,
     in_channels: int = 4,
     num_classes: int = 1000,
+    qk_norm: bool = False,
 ) -> Union[MemoryPlan, Recommendation]:
     """Plan the GPU memory of DiT training, or (``--fit``) recommend the fastest setup that fits.
 
@@ -92,6 +93,7 @@ def plan(
         patch_size: override the patch size.
         in_channels: latent channels (4 for the SD VAE).
         num_classes: number of classes (1000 for ImageNet).
+        qk_norm: the model's QK-norm (--model.qk_norm): LayerNorm of q and k, more saved tensors per block.
     """
     if format == "yaml" and not fit:
         raise ValueError("--format yaml writes a hardware profile of a recommendation: add --fit")
@@ -118,6 +120,7 @@ def plan(
         patch_size=patch_size,
         in_channels=in_channels,
         num_classes=num_classes,
+        qk_norm=qk_norm,
         micro_batch=fit_micro_batch if fit else micro_batch,
         accumulate_grad_batches=None if fit else accumulate_grad_batches,
         precision=precision,

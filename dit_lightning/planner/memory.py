@@ -94,6 +94,7 @@ class PlanOptions:
         latent_size: latent side (32 for 256px images, 64 for 512px).
         depth, hidden_size, num_heads, patch_size: override the named model's sizes (or set them for custom).
         in_channels, num_classes, learn_sigma, mlp_ratio: the rest of the network's shape.
+        qk_norm: the model's QK-norm (LayerNorm of q and k per head): new tensors saved per block.
         micro_batch: samples per device per forward/backward.
         accumulate_grad_batches: >1 keeps the gradients alive through the next forward.
         precision: Lightning precision (:data:`~dit_lightning.precision.TrainingPrecision`); ``*-mixed``
@@ -130,6 +131,7 @@ class PlanOptions:
     num_classes: int = 1000
     learn_sigma: bool = True
     mlp_ratio: float = 4.0
+    qk_norm: bool = False
     # the batch per device and the settings recommend searches (None: PLAN_DEFAULTS / searched)
     micro_batch: Optional[int] = None
     accumulate_grad_batches: Optional[int] = None
@@ -189,7 +191,7 @@ class PlanOptions:
 
     def param_counts(self) -> dict[str, int]:
         """The network's :func:`param_counts`."""
-        return param_counts(self.shape)
+        return param_counts(self.shape, self.qk_norm)
 
 
 @dataclass
@@ -275,17 +277,24 @@ class MemoryPlan:
 # --------------------------------------------------------------------------------------
 
 
-def block_param_count(s: DiTShape) -> int:
-    """Parameters of one DiT block (qkv, proj, fc1, fc2, adaLN)."""
+def qk_norm_param_count(s: DiTShape) -> int:
+    """Parameters of one block's QK-norm: two LayerNorms (weight and bias) over a head's width."""
+    return 2 * 2 * (s.qkv_dim // s.num_heads)
+
+
+def block_param_count(s: DiTShape, qk_norm: bool = False) -> int:
+    """Parameters of one DiT block (qkv, proj, fc1, fc2, adaLN; the QK-norm's with ``qk_norm``)."""
     d, m = s.hidden_size, s.mlp_hidden
-    return (d * 3 * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d) + (d * 6 * d + 6 * d)
+    matmuls = (d * 3 * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d) + (d * 6 * d + 6 * d)
+    return matmuls + (qk_norm_param_count(s) if qk_norm else 0)
 
 
-def param_counts(s: DiTShape) -> dict[str, int]:
+def param_counts(s: DiTShape, qk_norm: bool = False) -> dict[str, int]:
     """Parameter counts by role: totals, trainable, per block, and the groups that matter
-    for memory (autocast casts matmul weights; the embedding table and pos_embed it does not)."""
+    for memory (autocast casts matmul weights; the embedding table, pos_embed and the
+    QK-norm's LayerNorms it does not)."""
     d, p = s.hidden_size, s.patch_size
-    blk = block_param_count(s)
+    blk = block_param_count(s, qk_norm)
     patch = s.in_channels * p * p * d + d
     t_mlp = s.frequency_embedding_size * d + d + d * d + d
     y_table = (s.num_classes + int(s.class_dropout_prob > 0)) * d
@@ -296,6 +305,7 @@ def param_counts(s: DiTShape) -> dict[str, int]:
         "total": total,
         "trainable": total - pos,  # pos_embed is a fixed, requires_grad=False parameter
         "block": blk,
+        "block_matmul": blk - (qk_norm_param_count(s) if qk_norm else 0),  # cast to 16 bits by autocast
         "head": patch + t_mlp + y_table,
         "tail": final,
         "pos_embed": pos,
@@ -309,7 +319,12 @@ def param_counts(s: DiTShape) -> dict[str, int]:
 
 
 def block_activation_terms(
-    s: DiTShape, n: int, mixed: bool, attention: Literal["flash", "math"], device: str = "cuda"
+    s: DiTShape,
+    n: int,
+    mixed: bool,
+    attention: Literal["flash", "math"],
+    device: str = "cuda",
+    qk_norm: bool = False,
 ) -> dict[str, int]:
     """Bytes one (non-checkpointed) DiT block saves for backward, tensor by tensor.
 
@@ -317,7 +332,8 @@ def block_activation_terms(
     ``flash`` (flash / memory-efficient / cuDNN / CPU-flash SDPA kernels) keeps q, k, v (views
     of the qkv output), the output and a logsumexp: O(T). ``math`` keeps the softmax matrix:
     O(T^2). PyTorch's CPU math path computes 16-bit attention in fp32, so there the attention
-    tensors are fp32 even under autocast.
+    tensors are fp32 even under autocast. ``qk_norm``: the LayerNorms of q and k add their
+    statistics and outputs (:func:`qk_norm_terms`).
     """
     t, d, m, h = s.tokens, s.hidden_size, s.mlp_hidden, s.num_heads
     f, b = 4, (2 if mixed else 4)
@@ -350,6 +366,35 @@ def block_activation_terms(
             "adaLN (per sample)": n * d * 9 * b,
         }
     )
+    if qk_norm:
+        terms.update(qk_norm_terms(s, n, mixed, attention, device))
+    return terms
+
+
+def qk_norm_terms(s: DiTShape, n: int, mixed: bool, attention: Literal["flash", "math"], device: str) -> dict[str, int]:
+    """What the QK-norm (a LayerNorm of q and of k per head) adds to a block's saved tensors.
+
+    Read off the autograd graph on CPU and on an H200 (``tests/planner/test_memory.py``): each
+    LayerNorm keeps its mean and rstd; its input is a view of the qkv output, except under
+    CUDA autocast, which runs LayerNorm in fp32 and so keeps an fp32 copy of q and k. The flash
+    path saves the normalised q and k (16-bit under autocast); those kernels (not CUDA's
+    memory-efficient one, which fp32 selects) return the output in q's per-head layout, so
+    reshaping it for proj copies it. The math path scales its own copies of q and k (already
+    counted) but now keeps the qkv output alive through the LayerNorms' inputs.
+    """
+    t, d, h = s.tokens, s.hidden_size, s.num_heads
+    b = 2 if mixed else 4
+    td = n * t * d
+    terms = {"QK-norm mean/rstd": 2 * 2 * n * h * t * 4}
+    cast_to_fp32 = mixed and device == "cuda"
+    if cast_to_fp32:
+        terms["QK-norm inputs (fp32 copies of q, k)"] = 2 * td * 4
+    if attention == "flash":
+        terms["QK-norm outputs (q, k for SDPA)"] = 2 * td * b
+        if mixed or device == "cpu":
+            terms["attention output copy (proj input)"] = td * b
+    elif not cast_to_fp32:
+        terms["qkv output (q, k views for the QK-norm)"] = 3 * td * b
     return terms
 
 
@@ -520,7 +565,7 @@ def plan_memory(
     working = _gathered_bytes(pc, pb, sharding) if fsdp else 0
 
     # ---- activations ----------------------------------------------------------------------
-    blk_terms = block_activation_terms(shape, n, mixed, attn, device)
+    blk_terms = block_activation_terms(shape, n, mixed, attn, device, o.qk_norm)
     a_full = sum(blk_terms.values())
     a_ckpt = checkpointed_block_bytes(shape, n)
     nb_terms = nonblock_activation_terms(shape, n, mixed)
@@ -528,7 +573,7 @@ def plan_memory(
     ckpt = set(recomputed)
     a_blocks = [a_ckpt if i in ckpt else a_full for i in range(shape.depth)]
     # autocast keeps 16-bit copies of matmul weights; FSDP's mixed precision replaces them
-    w16_blk = 2 * p_blk if (mixed and not fsdp) else 0
+    w16_blk = 2 * pc["block_matmul"] if (mixed and not fsdp) else 0
     w16_nonblock = 2 * pc["matmul_nonblock"] if (mixed and not fsdp) else 0
     td = n * shape.tokens * shape.hidden_size
     trans_bwd = BACKWARD_TRANSIENT_TD * td * 4
@@ -603,6 +648,12 @@ def plan_memory(
         "gradients set to None between steps (zero_grad(set_to_none=True))"
         + ("; kept alive across accumulated micro-batches" if persistent_grads else ""),
     ]
+    if o.qk_norm:
+        assumptions.insert(
+            1,
+            "QK-norm: each block also keeps the LayerNorm'd q and k and their statistics"
+            + (" (LayerNorm in fp32 under CUDA autocast)" if mixed and device == "cuda" else ""),
+        )
     if ddp:
         assumptions.append(
             "DDP: gradient buckets are a second fp32 copy of the gradients"
