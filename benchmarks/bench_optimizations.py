@@ -42,7 +42,7 @@ import torch
 
 if TYPE_CHECKING:
     from dit_lightning.module import AttentionBackend
-    from dit_lightning.planner.memory import Precision
+    from dit_lightning.precision import TrainingPrecision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -51,7 +51,7 @@ MiB = 1024**2
 
 @dataclass(frozen=True)
 class Config:
-    precision: Precision = "32-true"
+    precision: TrainingPrecision = "32-true"
     checkpointing: Literal["none", "half", "all"] = "none"
     compile: bool = False
     fused: bool = False

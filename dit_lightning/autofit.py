@@ -40,12 +40,14 @@ from .planner.memory import (
     MemoryPlan,
     MiB,
     OptimizerName,
+    PlanOptions,
     Sharding,
     Strategy,
     checkpointed_block_indices,
     plan_memory,
 )
 from .planner.recommend import Recommendation, checkpoint_spelling, estimate_step_time, nominal_spec, recommend
+from .precision import best_mixed_precision, lightning_precision
 
 CheckpointPin = Union[int, str, list[int], tuple[int, ...]]
 
@@ -147,10 +149,11 @@ class Setting:
 class FitProblem:
     """A run as the planner sees it, and what its user pinned.
 
-    ``shape`` holds the network's sizes as :func:`~dit_lightning.planner.plan_memory` takes them
-    (``latent_size``, ``depth``, ``hidden_size``, ``num_heads``, ``patch_size``, ``in_channels``,
-    ``num_classes``, ``learn_sigma``, ``mlp_ratio``). ``precision``, ``accumulate_grad_batches``
-    and ``activation_checkpointing`` are the user's explicit settings (None: auto-fit chooses).
+    ``shape`` holds the network's :class:`~dit_lightning.planner.memory.PlanOptions` fields, as
+    :func:`~dit_lightning.callbacks.autofit.build_problem` reads them off the DiT (``latent_size``,
+    ``depth``, ``hidden_size``, ``num_heads``, ``patch_size``...). ``precision``,
+    ``accumulate_grad_batches`` and ``activation_checkpointing`` are the user's explicit settings
+    (None: auto-fit chooses). :meth:`options` is the run as the planner's options.
     """
 
     shape: dict[str, Any]
@@ -238,29 +241,41 @@ class FitProblem:
             return [int(i) for i in s.activation_checkpointing.removeprefix("blocks ").split(",") if i]
         return s.activation_checkpointing
 
+    def options(self, s: Optional[Setting] = None) -> PlanOptions:
+        """The run as the planner's options: the user's pins (what :func:`recommend` keeps), or with
+        ``s`` that setting's micro-batch, accumulation, precision and recomputed blocks."""
+        pin = self.activation_checkpointing
+        o = PlanOptions(
+            model="custom",
+            **self.shape,
+            world_size=self.world_size,
+            strategy=self.strategy,
+            sharding=self.sharding,
+            shard_group=self.shard_group,
+            ddp_gradient_as_bucket_view=self.ddp_gradient_as_bucket_view,
+            optimizer=self.optimizer,
+            fused_optimizer=self.fused_optimizer,
+            ema=self.ema,
+            attention=self.attention,
+            device=self.device,
+            precision=None if self.precision is None else lightning_precision(self.precision),
+            accumulate_grad_batches=self.accumulate_grad_batches,
+            activation_checkpointing=list(pin) if isinstance(pin, tuple) else pin,
+        )
+        if s is None:
+            return o
+        return o.replace(
+            micro_batch=s.micro_batch,
+            accumulate_grad_batches=s.accumulate_grad_batches,
+            precision=lightning_precision(s.precision),
+            activation_checkpointing=self._checkpoint_arg(s),
+        )
+
     def plan(self, s: Setting) -> MemoryPlan:
         key = ("plan", s)
         if key not in self._cache:
-            ckpt = self._checkpoint_arg(s)
-            self._cache[key] = plan_memory(
-                "custom",
-                micro_batch=s.micro_batch,
-                precision=s.precision,  # type: ignore[arg-type]
-                activation_checkpointing=ckpt,
-                strategy=self.strategy,
-                sharding=self.sharding,
-                world_size=self.world_size,
-                shard_group=self.shard_group,
-                optimizer=self.optimizer,
-                fused_optimizer=self.fused_optimizer,
-                ema=self.ema,
-                accumulate_grad_batches=s.accumulate_grad_batches,
-                memory_gib=None if self.budget_bytes is None else self.budget_bytes / GiB,
-                attention=self.attention,
-                device=self.device,
-                ddp_gradient_as_bucket_view=self.ddp_gradient_as_bucket_view,
-                **self.shape,
-            )
+            budget_gib = None if self.budget_bytes is None else self.budget_bytes / GiB
+            self._cache[key] = plan_memory(self.options(s), memory_gib=budget_gib)
         return self._cache[key]
 
     def peak(self, s: Setting) -> int:
@@ -282,22 +297,7 @@ class FitProblem:
         """Estimated seconds per optimiser step (relative only on a nominal device)."""
         key = ("time", s)
         if key not in self._cache:
-            shape = {k: v for k, v in self.shape.items() if k != "latent_size"}
-            t, _, _ = estimate_step_time(
-                "custom",
-                self.time_spec,
-                self.world_size,
-                self.global_batch,
-                s.micro_batch,
-                s.precision,
-                s.checkpointed_blocks,
-                self.strategy,
-                self.sharding if self.strategy == "fsdp" else None,
-                None,
-                input_size=self.shape.get("latent_size", 32),
-                **shape,
-            )
-            self._cache[key] = t
+            self._cache[key], _, _ = estimate_step_time(self.options(s), self.time_spec, self.global_batch)
         return self._cache[key]
 
     def micro_batches(self) -> list[int]:
@@ -452,29 +452,12 @@ class NothingFits(ValueError):
 
 
 def _recommend(problem: FitProblem) -> Recommendation:
-    shape = {k: v for k, v in problem.shape.items() if k != "latent_size"}
-    pin = problem.activation_checkpointing
     return recommend(
-        "custom",
+        problem.options(),  # the pins pinned, the rest searched
         gpu=problem.time_spec,
-        num_gpus=problem.world_size,
         global_batch=problem.global_batch,
-        latent_size=problem.shape.get("latent_size", 32),
-        precision=problem.precision,  # type: ignore[arg-type]
-        strategy=problem.strategy if problem.world_size > 1 else None,
-        sharding=problem.sharding if problem.strategy == "fsdp" else None,
-        micro_batch=problem.micro_batches()[0] if problem.accumulate_grad_batches is not None else None,
-        optimizer=problem.optimizer,
-        ema=problem.ema,
         memory_gib=None if problem.budget_bytes is None else problem.budget_bytes / GiB,
         top=10_000,
-        activation_checkpointing=list(pin) if isinstance(pin, tuple) else pin,
-        device=problem.device,
-        attention=problem.attention,
-        fused_optimizer=problem.fused_optimizer,
-        ddp_gradient_as_bucket_view=problem.ddp_gradient_as_bucket_view,
-        shard_group=problem.shard_group,
-        **shape,
     )
 
 
@@ -522,7 +505,7 @@ def nothing_fits_message(problem: FitProblem, ranking: list[Setting]) -> str:
         q = dataclasses.replace(p, ema=False, _cache={})
         levers.append(f"no EMA (--model.ema false): {_size(smallest_of(q))}" + _fits(smallest_of(q), budget))
     if p.device == "cuda" and (p.precision == "32-true"):
-        q = dataclasses.replace(p, precision="bf16-mixed" if p.bf16 else "16-mixed", _cache={})
+        q = dataclasses.replace(p, precision=best_mixed_precision(p.bf16), _cache={})
         levers.append(f"--trainer.precision {q.precision}: {_size(smallest_of(q))}" + _fits(smallest_of(q), budget))
     if p.world_size > 1 and p.strategy == "ddp":
         q = dataclasses.replace(p, strategy="fsdp", sharding="FULL_SHARD", _cache={})
@@ -555,7 +538,7 @@ def _precisions(p: FitProblem) -> list[str]:
         return [p.precision]
     if p.device == "cpu":
         return ["32-true"]
-    return ["bf16-mixed" if p.bf16 else "16-mixed"]
+    return [best_mixed_precision(p.bf16)]
 
 
 # ---- back off, speed up ----------------------------------------------------------------------------

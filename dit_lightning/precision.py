@@ -4,7 +4,10 @@ dtype a running Trainer really computes in.
 Users meet four vocabularies: Lightning's ``precision`` ("32-true", "16-mixed", "bf16-mixed",
 "bf16-true"...), short names ("fp32", "bf16", "fp16"), torch's dtype names ("float32",
 "bfloat16", "float16", "torch.bfloat16") and the FSDP strategies' ``param_dtype``. They all map
-to a :class:`torch.dtype` here (:func:`to_dtype`), and :func:`compute_dtype` tells the matmul
+to a :class:`torch.dtype` here (:func:`to_dtype`) and back to each vocabulary
+(:func:`lightning_precision`, :func:`short_name`, :func:`dtype_name`); the planner, auto-fit and
+the hardware profiles plan in :data:`TrainingPrecision` and take the one rule for a device's
+16-bit precision from :func:`best_mixed_precision`. :func:`compute_dtype` tells the matmul
 dtype of a Trainer: the strategy's mixed-precision ``param_dtype`` when it sets one (FSDP2 with
 ``precision: 32-true`` and ``param_dtype: bfloat16`` computes in bf16), else the precision
 plugin's. :func:`grad_scaler` and :func:`pending_grad_scale` tell whether ``16-mixed`` loss
@@ -15,14 +18,17 @@ Lightning objects are inspected by attribute, never imported.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 
 # The precisions the training configs and the planner speak (Lightning's names).
 TrainingPrecision = Literal["32-true", "16-mixed", "bf16-mixed"]
+TRAINING_PRECISIONS: tuple[TrainingPrecision, ...] = get_args(TrainingPrecision)
 # The short names the sampling commands take.
 SamplingPrecision = Literal["fp32", "bf16", "fp16"]
+# torch's dtype names, as the FSDP strategies take them (``param_dtype``, ``reduce_dtype``).
+DTypeName = Literal["float32", "bfloat16", "float16"]
 DTypeLike = Union[str, int, torch.dtype, None]
 
 _SPELLINGS: dict[str, torch.dtype] = {}
@@ -36,7 +42,11 @@ for _dtype, _names in (
         _SPELLINGS[_name] = _dtype
 
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-_LIGHTNING_MIXED = {torch.float32: "32-true", torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
+_LIGHTNING_MIXED: dict[torch.dtype, TrainingPrecision] = {
+    torch.float32: "32-true",
+    torch.bfloat16: "bf16-mixed",
+    torch.float16: "16-mixed",
+}
 
 
 def to_dtype(precision: DTypeLike) -> torch.dtype:
@@ -65,15 +75,41 @@ def optional_dtype(precision: DTypeLike) -> Optional[torch.dtype]:
 
 def short_name(precision: DTypeLike) -> str:
     """ "fp32", "bf16", "fp16" (or "fp64") for any spelling."""
-    return _SHORT[to_dtype(precision)]
+    dtype = to_dtype(precision)
+    if dtype not in _SHORT:  # a dtype passed through as itself (torch.int8...)
+        raise ValueError(f"no short precision name for {dtype}")
+    return _SHORT[dtype]
 
 
-def lightning_precision(precision: DTypeLike) -> str:
-    """Lightning's mixed-precision name of a dtype: "32-true", "bf16-mixed" or "16-mixed"."""
+def dtype_name(precision: DTypeLike) -> str:
+    """torch's name of the dtype of any spelling ("bfloat16" for "bf16-mixed"), as the FSDP strategies'
+    ``param_dtype`` / ``reduce_dtype`` take it."""
+    return str(to_dtype(precision)).removeprefix("torch.")
+
+
+def lightning_precision(precision: DTypeLike) -> TrainingPrecision:
+    """The training precision (Lightning's mixed-precision name: "32-true", "bf16-mixed" or "16-mixed")
+    of any spelling; a 16-bit ``*-true`` spelling maps to its mixed precision."""
     dtype = to_dtype(precision)
     if dtype not in _LIGHTNING_MIXED:
-        raise ValueError(f"no Lightning mixed precision for {dtype}")
+        raise ValueError(f"no Lightning mixed precision for {dtype}: train in {', '.join(TRAINING_PRECISIONS)}")
     return _LIGHTNING_MIXED[dtype]
+
+
+def best_mixed_precision(bf16_supported: bool) -> TrainingPrecision:
+    """The 16-bit training precision to use on a device: ``bf16-mixed`` where it computes in bf16
+    (fp32's range: no loss scaling), else ``16-mixed`` (fp16 with a GradScaler)."""
+    return "bf16-mixed" if bf16_supported else "16-mixed"
+
+
+def is_mixed(precision: DTypeLike) -> bool:
+    """True for the 16-bit precisions (matmuls in bf16 or fp16), False for fp32 and fp64."""
+    return to_dtype(precision) in (torch.bfloat16, torch.float16)
+
+
+def itemsize(precision: DTypeLike) -> int:
+    """Bytes per element of the precision's dtype: 2 for the 16-bit precisions, 4 for fp32."""
+    return to_dtype(precision).itemsize
 
 
 def is_fp16(precision: DTypeLike) -> bool:

@@ -4,6 +4,8 @@ setting, and which errors count as out-of-memory."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -156,3 +158,21 @@ def test_out_of_memory_errors_of_every_device_kind_and_nothing_else():
     assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`"))
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_out_of_memory(ValueError("out of memory"))  # not an error a device raises
+
+
+def test_a_problem_is_the_planners_options_and_carries_their_levers():
+    p = xl2(precision="32-true", accumulate_grad_batches=4)
+    o = p.options()  # what recommend searches: the pins set, the rest unset
+    assert (o.model, o.depth, o.precision, o.accumulate_grad_batches, o.micro_batch) == (
+        "custom",
+        28,
+        "32-true",
+        4,
+        None,
+    )
+    s = decide(p).chosen
+    assert p.plan(s) == plan_memory(p.options(s), memory_gib=23.6)
+    assert p.options(s).micro_batch == s.micro_batch == 64
+    # a PlanOptions field in the shape reaches every prediction
+    wider = dataclasses.replace(p, shape={**XL2, "mlp_ratio": 5.0}, _cache={})
+    assert wider.peak(s) > p.peak(s) and wider.options(s).mlp_ratio == 5.0

@@ -10,10 +10,15 @@ import pytest
 import torch
 
 from dit_lightning.precision import (
+    TRAINING_PRECISIONS,
     DTypeLike,
     autocast,
+    best_mixed_precision,
     compute_dtype,
+    dtype_name,
     is_fp16,
+    is_mixed,
+    itemsize,
     lightning_precision,
     optional_dtype,
     short_name,
@@ -59,6 +64,24 @@ def test_optional_short_and_lightning_names():
     assert [lightning_precision(s) for s in ("fp32", "bfloat16", "fp16")] == ["32-true", "bf16-mixed", "16-mixed"]
     with pytest.raises(ValueError, match="no Lightning mixed precision"):
         lightning_precision("fp64")
+
+
+def test_the_training_precisions_and_their_other_names():
+    assert TRAINING_PRECISIONS == ("32-true", "16-mixed", "bf16-mixed")
+    assert [lightning_precision(p) for p in TRAINING_PRECISIONS] == list(TRAINING_PRECISIONS)
+    assert [dtype_name(p) for p in TRAINING_PRECISIONS] == ["float32", "float16", "bfloat16"]
+    assert [itemsize(p) for p in TRAINING_PRECISIONS] == [4, 2, 2]
+    assert [is_mixed(p) for p in TRAINING_PRECISIONS] == [False, True, True]
+    assert not is_mixed("fp64") and is_mixed("bf16-true")
+    with pytest.raises(ValueError, match="train in 32-true, 16-mixed, bf16-mixed"):
+        lightning_precision("64-true")
+    with pytest.raises(ValueError, match="no short precision name"):
+        short_name(torch.int8)  # compute_dtype's Transformer Engine stand-in
+
+
+def test_the_best_16_bit_precision_is_bf16_where_the_device_has_it():
+    assert best_mixed_precision(True) == "bf16-mixed"
+    assert best_mixed_precision(False) == "16-mixed"  # V100, T4: fp16 with a GradScaler
 
 
 def test_is_fp16_only_for_float16():

@@ -58,7 +58,7 @@ from ..autofit import (
     next_faster,
     next_safer,
 )
-from ..models import DiTShape
+from ..models import DiTShape, model_config
 from ..planner.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES, GiB
 from ..precision import lightning_precision, to_dtype
 
@@ -153,6 +153,7 @@ def build_problem(
             num_classes=shape.num_classes,
             learn_sigma=shape.learn_sigma,
             mlp_ratio=shape.mlp_ratio,
+            qk_norm=model_config(net)["qk_norm"],
         ),
         global_batch=int(global_batch),
         world_size=int(world_size),

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from ..planner.hardware import gpu_names, gpu_spec, local_gpu
 from ..planner.memory import (
@@ -12,7 +12,7 @@ from ..planner.memory import (
     DeviceKind,
     MemoryPlan,
     OptimizerName,
-    Precision,
+    PlanOptions,
     Sharding,
     Strategy,
     plan_memory,
@@ -20,13 +20,14 @@ from ..planner.memory import (
 from ..planner.profiles import fit_command, render_yaml
 from ..planner.recommend import Recommendation, recommend
 from ..planner.report import render_memory, render_recommendation
+from ..precision import TrainingPrecision
 
 
 def plan(
     model: str = "DiT-XL/2",
     latent_size: int = 32,
     micro_batch: int = 32,
-    precision: Optional[Precision] = None,
+    precision: Optional[TrainingPrecision] = None,
     activation_checkpointing: Optional[CheckpointArg] = None,
     strategy: Optional[Strategy] = None,
     sharding: Optional[Sharding] = None,
@@ -54,6 +55,7 @@ def plan(
     patch_size: Optional[int] = None,
     in_channels: int = 4,
     num_classes: int = 1000,
+    qk_norm: bool = False,
 ) -> Union[MemoryPlan, Recommendation]:
     """Plan the GPU memory of DiT training, or (``--fit``) recommend the fastest setup that fits.
 
@@ -91,15 +93,8 @@ def plan(
         patch_size: override the patch size.
         in_channels: latent channels (4 for the SD VAE).
         num_classes: number of classes (1000 for ImageNet).
+        qk_norm: the model's QK-norm (--model.qk_norm): LayerNorm of q and k, more saved tensors per block.
     """
-    shape: dict[str, Any] = dict(
-        depth=depth,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        patch_size=patch_size,
-        in_channels=in_channels,
-        num_classes=num_classes,
-    )
     if format == "yaml" and not fit:
         raise ValueError("--format yaml writes a hardware profile of a recommendation: add --fit")
     if gpu is not None and gpu.strip().lower() == "auto":
@@ -114,52 +109,46 @@ def plan(
         )
     elif gpu is not None:
         gpu = gpu_spec(gpu).name  # any spelling the table knows, or a clear error
+    # The run as the planner sees it; in plan mode its unset settings are plan_memory's defaults,
+    # with --fit recommend searches them (--fit_micro_batch pins the micro-batch there).
+    options = PlanOptions(
+        model=model,
+        latent_size=latent_size,
+        depth=depth,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        patch_size=patch_size,
+        in_channels=in_channels,
+        num_classes=num_classes,
+        qk_norm=qk_norm,
+        micro_batch=fit_micro_batch if fit else micro_batch,
+        accumulate_grad_batches=None if fit else accumulate_grad_batches,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        strategy=strategy,
+        sharding=sharding,
+        world_size=world_size,
+        shard_group=shard_group,
+        optimizer=optimizer,
+        ema=ema,
+        attention=attention,
+        device=device,
+    )
     result: Union[MemoryPlan, Recommendation]
     if fit:
         rec = recommend(
-            model,
+            options,
             gpu=gpu,
-            num_gpus=world_size,
             global_batch=global_batch,
-            latent_size=latent_size,
-            precision=precision,
-            strategy=strategy,
-            sharding=sharding,
-            micro_batch=fit_micro_batch,
-            optimizer=optimizer,
-            ema=ema,
             memory_gib=memory_gib,
             mfu=mfu,
             steps=steps,
             price_per_gpu_hour=price_per_gpu_hour,
-            activation_checkpointing=activation_checkpointing,
-            device=device,
-            attention=attention,
-            shard_group=shard_group,
-            **shape,
         )
         rec.command = fit_command(rec)
         result = rec
     else:
-        result = plan_memory(
-            model,
-            latent_size=latent_size,
-            micro_batch=micro_batch,
-            precision=precision or "bf16-mixed",
-            activation_checkpointing="none" if activation_checkpointing is None else activation_checkpointing,
-            strategy=strategy or "ddp",
-            sharding=sharding or "FULL_SHARD",
-            world_size=world_size,
-            shard_group=shard_group,
-            optimizer=optimizer,
-            ema=ema,
-            accumulate_grad_batches=accumulate_grad_batches,
-            gpu=gpu,
-            memory_gib=memory_gib,
-            attention=attention,
-            device=device,
-            **shape,
-        )
+        result = plan_memory(options, gpu=gpu, memory_gib=memory_gib)
     if format == "json":
         sys.stdout.write(result.to_json() + "\n")
     elif format == "yaml" and isinstance(result, Recommendation):

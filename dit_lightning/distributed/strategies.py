@@ -30,10 +30,8 @@ from torch import nn
 
 from ..atomic import commit_directory, recover_directory, staging_directory
 from ..models import DiT, DiTBlock
-from ..precision import optional_dtype
+from ..precision import DTypeName, optional_dtype
 from .sharding import _dit_children
-
-DTypeName = Literal["float32", "bfloat16", "float16"]
 
 
 class DiTDDPStrategy(DDPStrategy):

@@ -1,14 +1,25 @@
 """Resource planner: predict the peak memory of a DiT training step and recommend a setup.
 
-``plan_memory(...) -> MemoryPlan`` is the analytic memory model, ``recommend(...) ->
-Recommendation`` searches micro-batch, accumulation, precision, selective activation
-checkpointing and strategy for the fastest configuration that fits, ``plan(...)`` is the
+``PlanOptions`` describes a run (the network, the batch per device, every memory lever);
+``plan_memory(options) -> MemoryPlan`` is the analytic memory model, ``recommend(options, gpu=...)
+-> Recommendation`` searches the micro-batch, accumulation, precision, selective activation
+checkpointing and strategy the options leave unset for the fastest configuration that fits.
+Both also take a model name and the options' fields as keywords
+(``plan_memory("DiT-XL/2", micro_batch=32)``). ``dit_lightning.commands.plan`` is the
 ``dit-lightning plan`` command (rich table or JSON). Pure PyTorch + stdlib at import time
 (rich is imported only to print tables).
 """
 
 from .hardware import GPUS, GPUSpec, gpu_spec
-from .memory import GiB, MemoryPlan, block_activation_terms, param_counts, plan_memory, state_per_device
+from .memory import (
+    GiB,
+    MemoryPlan,
+    PlanOptions,
+    block_activation_terms,
+    param_counts,
+    plan_memory,
+    state_per_device,
+)
 from .recommend import Candidate, Recommendation, estimate_step_time, recommend
 from .report import render_memory, render_recommendation
 
@@ -18,6 +29,7 @@ __all__ = [
     "GPUSpec",
     "GiB",
     "MemoryPlan",
+    "PlanOptions",
     "Recommendation",
     "block_activation_terms",
     "estimate_step_time",

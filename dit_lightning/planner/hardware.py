@@ -16,6 +16,8 @@ from typing import Optional, Union
 
 import torch
 
+from ..precision import short_name
+
 
 @dataclass(frozen=True)
 class GPUSpec:
@@ -151,9 +153,9 @@ def local_gpu(index: int = 0) -> tuple[str, Optional[GPUSpec], float]:
 
 TFLOPS = 1e12
 
-# FLOP/s per device, dense, by compute precision, from the table above. "tf32" is the rate of FP32
-# matmuls when TF32 tensor cores are allowed; "fp32" the rate without them; FP16/BF16 with FP32
-# accumulation.
+# FLOP/s per device, dense, by compute precision (precision.py's short names), from the table above.
+# "tf32" is the rate of FP32 matmuls when TF32 tensor cores are allowed; "fp32" the rate without
+# them; FP16/BF16 with FP32 accumulation.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     name: {
         "fp32": g.fp32_tflops * TFLOPS,
@@ -181,12 +183,6 @@ _NAME_PATTERNS: list[tuple[str, str]] = [
     ("rtx3090-ti", r"\brtx 3090 ti\b"),
     ("rtx3090", r"\brtx 3090\b"),
 ]
-
-_DTYPE_KEYS: dict[torch.dtype, str] = {
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-}
 
 
 def device_key(device_name: str) -> Optional[str]:
@@ -227,13 +223,13 @@ def peak_flops_for(device_name: str, dtype: Union[torch.dtype, str], tf32: bool 
     key = device_key(device_name)
     if key is None:
         return None
-    dkey: Optional[str]
     if isinstance(dtype, str):
         dkey = dtype
     else:
-        dkey = _DTYPE_KEYS.get(dtype)
+        try:
+            dkey = short_name(dtype)  # the table's keys are precision.py's short names
+        except ValueError:  # a dtype without one (int8: Transformer Engine's FP8)
+            return None
         if dkey == "fp32" and tf32:
             dkey = "tf32"
-    if dkey is None:
-        return None
     return PEAK_FLOPS[key].get(dkey)

@@ -18,20 +18,26 @@ The peak is the maximum over the phases of a step (end of forward, each block of
 backward pass, optimiser step), because activations are freed while gradients appear.
 Validated against allocator-level measurements of real CPU training steps
 (``tests/planner/test_memory.py``, ``docs/planner.md``).
+
+The run is described by one object, :class:`PlanOptions` (the network, the batch per device and
+every memory lever), which :func:`plan_memory`, :func:`~dit_lightning.planner.recommend`, auto-fit
+and the ``plan`` command share. A new lever is a field there and its effect here, plus its flag
+in ``commands/plan.py``; keyword calls (``plan_memory("DiT-XL/2", micro_batch=8)``) set fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, TypeVar, Union
 
 from ..models.dit import resolve_checkpoint_blocks
 from ..models.flops import DiTShape, shape_of
+from ..precision import TRAINING_PRECISIONS, TrainingPrecision, is_mixed, itemsize
 from .hardware import GPUSpec, gpu_spec
 
-Precision = Literal["32-true", "16-mixed", "bf16-mixed"]
 Strategy = Literal["ddp", "fsdp"]
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP"]
 OptimizerName = Literal["adamw", "adamw8bit", "sgd"]
@@ -40,6 +46,8 @@ DeviceKind = Literal["cuda", "cpu"]
 # Recomputed blocks: a number N (the first N) or the model's own spelling: "none", "all", "half",
 # "first:N", "every:K" (a list of block indices in Python).
 CheckpointArg = Union[int, str]
+CheckpointSetting = Union[CheckpointArg, Sequence[int]]
+_T = TypeVar("_T")
 
 GiB = 1024**3
 MiB = 1024**2
@@ -56,6 +64,134 @@ CUDA_CONTEXT_BYTES = 600 * MiB  # CUDA context + kernels (lazy loading), outside
 NCCL_BYTES = 512 * MiB  # NCCL communicator buffers when world_size > 1
 CUDA_WORKSPACE_BYTES = 64 * MiB  # cuBLAS/cuDNN workspaces, allocated through the allocator
 FRAGMENTATION = 0.08  # reserved-but-unallocated memory as a fraction of the allocated peak
+
+# What plan_memory plans where PlanOptions leaves a searched setting unset.
+PLAN_DEFAULTS: dict[str, Any] = dict(
+    micro_batch=32,
+    accumulate_grad_batches=1,
+    precision="bf16-mixed",
+    activation_checkpointing="none",
+    strategy="ddp",
+    sharding="FULL_SHARD",
+    ddp_gradient_as_bucket_view=False,  # Lightning's DDPStrategy (recommend plans DiTDDPStrategy's True)
+)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """A DiT training run as the planner sees it: the network, the batch per device and every
+    memory lever. :func:`plan_memory`, :func:`~dit_lightning.planner.recommend`, auto-fit's
+    :class:`~dit_lightning.autofit.FitProblem` and the ``plan`` command all take this one object.
+
+    The settings ``recommend`` searches (``micro_batch``, ``accumulate_grad_batches``, ``precision``,
+    ``activation_checkpointing``, ``strategy``, ``sharding``) may be left unset (None):
+    :func:`plan_memory` then plans :data:`PLAN_DEFAULTS` (micro-batch 32, bf16-mixed, no block
+    recomputed, DDP, FULL_SHARD, no accumulation) and ``recommend`` searches them; set, they are
+    pinned. Build variants with :meth:`replace`.
+
+    Args:
+        model: a registered name (``"DiT-XL/2"``) or ``"custom"`` with explicit sizes.
+        latent_size: latent side (32 for 256px images, 64 for 512px).
+        depth, hidden_size, num_heads, patch_size: override the named model's sizes (or set them for custom).
+        in_channels, num_classes, learn_sigma, mlp_ratio: the rest of the network's shape.
+        qk_norm: the model's QK-norm (LayerNorm of q and k per head): new tensors saved per block.
+        micro_batch: samples per device per forward/backward.
+        accumulate_grad_batches: >1 keeps the gradients alive through the next forward.
+        precision: Lightning precision (:data:`~dit_lightning.precision.TrainingPrecision`); ``*-mixed``
+            keeps fp32 weights and autocasts.
+        activation_checkpointing: recomputed blocks: N (the first N), none, half, all, "first:N",
+            "every:K" or a list of block indices (the model's own settings).
+        strategy, sharding, world_size: DDP (everything replicated) or FSDP (per-block wrapping;
+            FULL_SHARD shards weights, gradients, optimizer and EMA; SHARD_GRAD_OP keeps full
+            16-bit weights during forward/backward) over ``world_size`` devices.
+        shard_group: FSDP hybrid sharding (HSDP): shard within groups of this many ranks (the GPUs
+            of a node) and replicate across groups; None shards over all ranks.
+        ddp_gradient_as_bucket_view: DDP option that removes the bucket copy of the gradients
+            (None: False for :func:`plan_memory`, Lightning's DDPStrategy; True for ``recommend``,
+            whose answer names DiTDDPStrategy).
+        optimizer: adamw (2 fp32 states), adamw8bit (bitsandbytes), sgd (momentum).
+        fused_optimizer: fused AdamW (no full-size temporary); None: on CUDA, as the project's
+            module does.
+        ema: keep the fp32 EMA copy of the weights.
+        attention: SDPA kernel family; ``auto`` is ``flash`` (PyTorch picks a flash,
+            memory-efficient or cuDNN kernel on GPU, and its flash kernel on CPU); ``math``
+            materialises the T x T attention matrix (reference-style code).
+        device: ``cuda`` adds the CUDA context, workspaces and allocator headroom; ``cpu``
+            predicts what the CPU allocator sees (used to validate the model).
+    """
+
+    # the network
+    model: str = "DiT-XL/2"
+    latent_size: int = 32
+    depth: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_heads: Optional[int] = None
+    patch_size: Optional[int] = None
+    in_channels: int = 4
+    num_classes: int = 1000
+    learn_sigma: bool = True
+    mlp_ratio: float = 4.0
+    qk_norm: bool = False
+    # the batch per device and the settings recommend searches (None: PLAN_DEFAULTS / searched)
+    micro_batch: Optional[int] = None
+    accumulate_grad_batches: Optional[int] = None
+    precision: Optional[TrainingPrecision] = None
+    activation_checkpointing: Optional[CheckpointSetting] = None
+    strategy: Optional[Strategy] = None
+    sharding: Optional[Sharding] = None
+    # the layout and the other levers
+    world_size: int = 1
+    shard_group: Optional[int] = None
+    ddp_gradient_as_bucket_view: Optional[bool] = None
+    optimizer: OptimizerName = "adamw"
+    fused_optimizer: Optional[bool] = None
+    ema: bool = True
+    attention: AttentionKind = "auto"
+    device: DeviceKind = "cuda"
+
+    @classmethod
+    def of(cls, options: Union[PlanOptions, str, None] = None, **levers: Any) -> PlanOptions:
+        """Options from options, a model name or nothing (the defaults), with ``levers`` (field
+        names) changed: what the keyword calls ``plan_memory("DiT-XL/2", micro_batch=8)`` build."""
+        if isinstance(options, PlanOptions):
+            return options.replace(**levers) if levers else options
+        if options is not None:
+            levers = {"model": options, **levers}
+        return cls(**levers)
+
+    def replace(self, **changes: Any) -> PlanOptions:
+        """These options with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def planned(self) -> PlanOptions:
+        """These options with :data:`PLAN_DEFAULTS` for the settings left unset (what
+        :func:`plan_memory` plans)."""
+        return self.replace(**{k: v for k, v in PLAN_DEFAULTS.items() if getattr(self, k) is None})
+
+    @property
+    def shape(self) -> DiTShape:
+        """The network's :class:`~dit_lightning.models.flops.DiTShape`."""
+        return shape_of(
+            self.model,
+            input_size=self.latent_size,
+            depth=self.depth,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            patch_size=self.patch_size,
+            in_channels=self.in_channels,
+            num_classes=self.num_classes,
+            learn_sigma=self.learn_sigma,
+            mlp_ratio=self.mlp_ratio,
+        )
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP over several ranks (FSDP on one device shards nothing)."""
+        return self.strategy == "fsdp" and self.world_size > 1
+
+    def param_counts(self) -> dict[str, int]:
+        """The network's :func:`param_counts`."""
+        return param_counts(self.shape, self.qk_norm)
 
 
 @dataclass
@@ -141,17 +277,24 @@ class MemoryPlan:
 # --------------------------------------------------------------------------------------
 
 
-def block_param_count(s: DiTShape) -> int:
-    """Parameters of one DiT block (qkv, proj, fc1, fc2, adaLN)."""
+def qk_norm_param_count(s: DiTShape) -> int:
+    """Parameters of one block's QK-norm: two LayerNorms (weight and bias) over a head's width."""
+    return 2 * 2 * (s.qkv_dim // s.num_heads)
+
+
+def block_param_count(s: DiTShape, qk_norm: bool = False) -> int:
+    """Parameters of one DiT block (qkv, proj, fc1, fc2, adaLN; the QK-norm's with ``qk_norm``)."""
     d, m = s.hidden_size, s.mlp_hidden
-    return (d * 3 * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d) + (d * 6 * d + 6 * d)
+    matmuls = (d * 3 * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d) + (d * 6 * d + 6 * d)
+    return matmuls + (qk_norm_param_count(s) if qk_norm else 0)
 
 
-def param_counts(s: DiTShape) -> dict[str, int]:
+def param_counts(s: DiTShape, qk_norm: bool = False) -> dict[str, int]:
     """Parameter counts by role: totals, trainable, per block, and the groups that matter
-    for memory (autocast casts matmul weights; the embedding table and pos_embed it does not)."""
+    for memory (autocast casts matmul weights; the embedding table, pos_embed and the
+    QK-norm's LayerNorms it does not)."""
     d, p = s.hidden_size, s.patch_size
-    blk = block_param_count(s)
+    blk = block_param_count(s, qk_norm)
     patch = s.in_channels * p * p * d + d
     t_mlp = s.frequency_embedding_size * d + d + d * d + d
     y_table = (s.num_classes + int(s.class_dropout_prob > 0)) * d
@@ -162,6 +305,7 @@ def param_counts(s: DiTShape) -> dict[str, int]:
         "total": total,
         "trainable": total - pos,  # pos_embed is a fixed, requires_grad=False parameter
         "block": blk,
+        "block_matmul": blk - (qk_norm_param_count(s) if qk_norm else 0),  # cast to 16 bits by autocast
         "head": patch + t_mlp + y_table,
         "tail": final,
         "pos_embed": pos,
@@ -175,7 +319,12 @@ def param_counts(s: DiTShape) -> dict[str, int]:
 
 
 def block_activation_terms(
-    s: DiTShape, n: int, mixed: bool, attention: Literal["flash", "math"], device: str = "cuda"
+    s: DiTShape,
+    n: int,
+    mixed: bool,
+    attention: Literal["flash", "math"],
+    device: str = "cuda",
+    qk_norm: bool = False,
 ) -> dict[str, int]:
     """Bytes one (non-checkpointed) DiT block saves for backward, tensor by tensor.
 
@@ -183,7 +332,8 @@ def block_activation_terms(
     ``flash`` (flash / memory-efficient / cuDNN / CPU-flash SDPA kernels) keeps q, k, v (views
     of the qkv output), the output and a logsumexp: O(T). ``math`` keeps the softmax matrix:
     O(T^2). PyTorch's CPU math path computes 16-bit attention in fp32, so there the attention
-    tensors are fp32 even under autocast.
+    tensors are fp32 even under autocast. ``qk_norm``: the LayerNorms of q and k add their
+    statistics and outputs (:func:`qk_norm_terms`).
     """
     t, d, m, h = s.tokens, s.hidden_size, s.mlp_hidden, s.num_heads
     f, b = 4, (2 if mixed else 4)
@@ -216,6 +366,35 @@ def block_activation_terms(
             "adaLN (per sample)": n * d * 9 * b,
         }
     )
+    if qk_norm:
+        terms.update(qk_norm_terms(s, n, mixed, attention, device))
+    return terms
+
+
+def qk_norm_terms(s: DiTShape, n: int, mixed: bool, attention: Literal["flash", "math"], device: str) -> dict[str, int]:
+    """What the QK-norm (a LayerNorm of q and of k per head) adds to a block's saved tensors.
+
+    Read off the autograd graph on CPU and on an H200 (``tests/planner/test_memory.py``): each
+    LayerNorm keeps its mean and rstd; its input is a view of the qkv output, except under
+    CUDA autocast, which runs LayerNorm in fp32 and so keeps an fp32 copy of q and k. The flash
+    path saves the normalised q and k (16-bit under autocast); those kernels (not CUDA's
+    memory-efficient one, which fp32 selects) return the output in q's per-head layout, so
+    reshaping it for proj copies it. The math path scales its own copies of q and k (already
+    counted) but now keeps the qkv output alive through the LayerNorms' inputs.
+    """
+    t, d, h = s.tokens, s.hidden_size, s.num_heads
+    b = 2 if mixed else 4
+    td = n * t * d
+    terms = {"QK-norm mean/rstd": 2 * 2 * n * h * t * 4}
+    cast_to_fp32 = mixed and device == "cuda"
+    if cast_to_fp32:
+        terms["QK-norm inputs (fp32 copies of q, k)"] = 2 * td * 4
+    if attention == "flash":
+        terms["QK-norm outputs (q, k for SDPA)"] = 2 * td * b
+        if mixed or device == "cpu":
+            terms["attention output copy (proj input)"] = td * b
+    elif not cast_to_fp32:
+        terms["qkv output (q, k views for the QK-norm)"] = 3 * td * b
     return terms
 
 
@@ -288,117 +467,91 @@ def state_per_device(
     strategy: Strategy = "fsdp",
     sharding: Sharding = "FULL_SHARD",
     shard_group: Optional[int] = None,
-    precision: Precision = "bf16-mixed",
+    precision: TrainingPrecision = "bf16-mixed",
     optimizer: OptimizerName = "adamw",
     ema: bool = True,
+    **levers: Any,
 ) -> dict[str, float]:
     """GiB per device of the state :func:`plan_memory` counts between steps (weights, gradients,
     optimiser states, EMA) and of the parameters FSDP gathers during a step, without activations.
 
     DDP replicates everything; FSDP FULL_SHARD / SHARD_GRAD_OP shard the state over the ranks
     (over ``shard_group`` ranks with hybrid sharding); SHARD_GRAD_OP keeps the whole model
-    gathered, in the compute dtype, from the forward to the end of the backward.
+    gathered, in the compute dtype, from the forward to the end of the backward. ``levers``: any
+    other :class:`PlanOptions` field (the network's sizes...).
     """
-    pc = param_counts(shape_of(model))
-    fsdp = strategy == "fsdp" and world_size > 1
-    shards = (shard_group or world_size) if fsdp else 1
+    o = PlanOptions(
+        model=model,
+        world_size=world_size,
+        strategy=strategy,
+        sharding=sharding,
+        shard_group=shard_group,
+        precision=precision,
+        optimizer=optimizer,
+        ema=ema,
+        **levers,
+    )
+    pc = o.param_counts()
+    shards = (shard_group or world_size) if o.sharded else 1
     out = {k: v / GiB for k, v in _state_bytes(pc, shards, optimizer, ema).items()}
-    out["gathered"] = _gathered_bytes(pc, 4 if precision == "32-true" else 2, sharding) / GiB if fsdp else 0.0
+    out["gathered"] = _gathered_bytes(pc, itemsize(precision), sharding) / GiB if o.sharded else 0.0
     out["total"] = sum(out.values())
     return out
 
 
+def _resolved(value: Optional[_T]) -> _T:
+    """A setting :meth:`PlanOptions.planned` has filled in."""
+    assert value is not None
+    return value
+
+
 def plan_memory(
-    model: str = "DiT-XL/2",
-    latent_size: int = 32,
-    micro_batch: int = 32,
-    precision: Precision = "bf16-mixed",
-    activation_checkpointing: Union[CheckpointArg, Sequence[int], None] = "none",
-    strategy: Strategy = "ddp",
-    sharding: Sharding = "FULL_SHARD",
-    world_size: int = 1,
-    optimizer: OptimizerName = "adamw",
-    fused_optimizer: Optional[bool] = None,
-    ema: bool = True,
-    accumulate_grad_batches: int = 1,
+    options: Union[PlanOptions, str, None] = None,
+    *,
     gpu: Optional[str] = None,
     memory_gib: Optional[float] = None,
-    attention: AttentionKind = "auto",
-    device: DeviceKind = "cuda",
-    depth: Optional[int] = None,
-    hidden_size: Optional[int] = None,
-    num_heads: Optional[int] = None,
-    patch_size: Optional[int] = None,
-    in_channels: int = 4,
-    num_classes: int = 1000,
-    learn_sigma: bool = True,
-    mlp_ratio: float = 4.0,
-    ddp_gradient_as_bucket_view: bool = False,
-    shard_group: Optional[int] = None,
+    **levers: Any,
 ) -> MemoryPlan:
     """Predict the per-GPU peak memory of one training step of a DiT.
 
     Args:
-        model: a registered name (``"DiT-XL/2"``) or ``"custom"`` with explicit sizes.
-        latent_size: latent side (32 for 256px images, 64 for 512px).
-        micro_batch: samples per GPU per forward/backward.
-        precision: Lightning precision; ``*-mixed`` keeps fp32 weights and autocasts.
-        activation_checkpointing: recomputed blocks: N (the first N), none, half, all, "first:N",
-            "every:K" or a list of block indices (the model's own settings).
-        strategy, sharding, world_size: DDP (everything replicated) or FSDP (per-block
-            wrapping; FULL_SHARD shards weights, gradients, optimizer and EMA; SHARD_GRAD_OP
-            keeps full 16-bit weights during forward/backward).
-        optimizer: adamw (2 fp32 states), adamw8bit (bitsandbytes), sgd (momentum).
-        fused_optimizer: fused AdamW (no full-size temporary); default: on CUDA, as the
-            project's module does.
-        ema: keep the fp32 EMA copy of the weights.
-        accumulate_grad_batches: >1 keeps the gradients alive through the next forward.
+        options: the run (:class:`PlanOptions`), or a model name; the settings it leaves unset are
+            :data:`PLAN_DEFAULTS`.
         gpu / memory_gib: the device budget (a GPU name from the table, or GiB).
-        attention: SDPA kernel family; ``auto`` is ``flash`` (PyTorch picks a flash,
-            memory-efficient or cuDNN kernel on GPU, and its flash kernel on CPU);
-            ``math`` materialises the T x T attention matrix (reference-style code).
-        device: ``cuda`` adds the CUDA context, workspaces and allocator headroom;
-            ``cpu`` predicts what the CPU allocator sees (used to validate the model).
-        ddp_gradient_as_bucket_view: DDP option that removes the bucket copy of the gradients.
-        shard_group: FSDP hybrid sharding (HSDP): shard within groups of this many ranks (the
-            GPUs of a node) and replicate across groups; None shards over all ranks.
+        levers: :class:`PlanOptions` fields to set or change, by name:
+            ``plan_memory("DiT-XL/2", micro_batch=32, precision="16-mixed", gpu="rtx4090")``.
     """
-    shape = shape_of(
-        model,
-        input_size=latent_size,
-        depth=depth,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        patch_size=patch_size,
-        in_channels=in_channels,
-        num_classes=num_classes,
-        learn_sigma=learn_sigma,
-        mlp_ratio=mlp_ratio,
-    )
+    o = PlanOptions.of(options, **levers).planned()
+    shape = o.shape
+    model, latent_size, world_size, device = o.model, o.latent_size, o.world_size, o.device
+    micro_batch, accumulate_grad_batches = _resolved(o.micro_batch), _resolved(o.accumulate_grad_batches)
+    precision, strategy, sharding = _resolved(o.precision), _resolved(o.strategy), _resolved(o.sharding)
+    optimizer, ema, shard_group = o.optimizer, o.ema, o.shard_group
+    ddp_gradient_as_bucket_view = _resolved(o.ddp_gradient_as_bucket_view)
     if latent_size % shape.patch_size:
         raise ValueError(f"patch size {shape.patch_size} does not divide latent size {latent_size}")
-    if precision not in ("32-true", "16-mixed", "bf16-mixed"):
-        raise ValueError(f"precision must be 32-true, 16-mixed or bf16-mixed, got {precision!r}")
+    if precision not in TRAINING_PRECISIONS:
+        raise ValueError(f"precision must be {', '.join(TRAINING_PRECISIONS)}, got {precision!r}")
     if micro_batch < 1 or world_size < 1 or accumulate_grad_batches < 1:
         raise ValueError("micro_batch, world_size and accumulate_grad_batches must be >= 1")
     spec: Optional[GPUSpec] = gpu_spec(gpu) if gpu else None
     budget = int(memory_gib * GiB) if memory_gib is not None else (int(spec.usable_gib * GiB) if spec else None)
 
     n = micro_batch
-    mixed = precision != "32-true"
-    attn: Literal["flash", "math"] = "flash" if attention == "auto" else attention
-    recomputed = checkpointed_block_indices(activation_checkpointing, shape.depth)
+    mixed = is_mixed(precision)
+    attn: Literal["flash", "math"] = "flash" if o.attention == "auto" else o.attention
+    recomputed = checkpointed_block_indices(o.activation_checkpointing, shape.depth)
     k = len(recomputed)
-    fsdp = strategy == "fsdp" and world_size > 1
+    fsdp = o.sharded
     ddp = strategy == "ddp" and world_size > 1
     if shard_group is not None and (shard_group < 1 or world_size % shard_group):
         raise ValueError(f"shard_group {shard_group} must divide world_size {world_size}")
     w = (shard_group or world_size) if fsdp else 1  # HSDP shards within groups of shard_group ranks
-    fused = (device == "cuda") if fused_optimizer is None else bool(fused_optimizer)
+    fused = (device == "cuda") if o.fused_optimizer is None else bool(o.fused_optimizer)
     if optimizer != "adamw":
         fused = False
 
-    pc = param_counts(shape)
+    pc = o.param_counts()
     p_all, p_train, p_blk = pc["total"], pc["trainable"], pc["block"]
     _, opt_note = _optimizer_bytes(optimizer, p_train)
 
@@ -408,11 +561,11 @@ def plan_memory(
     g_blk = 4 * p_blk // w
     g_tail = 4 * pc["tail"] // w
     buckets = 4 * p_train if (ddp and not ddp_gradient_as_bucket_view) else 0
-    pb = 2 if mixed else 4  # FSDP's unsharded parameter dtype (Lightning: param_dtype follows precision)
+    pb = itemsize(precision)  # FSDP's unsharded parameter dtype (Lightning: param_dtype follows precision)
     working = _gathered_bytes(pc, pb, sharding) if fsdp else 0
 
     # ---- activations ----------------------------------------------------------------------
-    blk_terms = block_activation_terms(shape, n, mixed, attn, device)
+    blk_terms = block_activation_terms(shape, n, mixed, attn, device, o.qk_norm)
     a_full = sum(blk_terms.values())
     a_ckpt = checkpointed_block_bytes(shape, n)
     nb_terms = nonblock_activation_terms(shape, n, mixed)
@@ -420,7 +573,7 @@ def plan_memory(
     ckpt = set(recomputed)
     a_blocks = [a_ckpt if i in ckpt else a_full for i in range(shape.depth)]
     # autocast keeps 16-bit copies of matmul weights; FSDP's mixed precision replaces them
-    w16_blk = 2 * p_blk if (mixed and not fsdp) else 0
+    w16_blk = 2 * pc["block_matmul"] if (mixed and not fsdp) else 0
     w16_nonblock = 2 * pc["matmul_nonblock"] if (mixed and not fsdp) else 0
     td = n * shape.tokens * shape.hidden_size
     trans_bwd = BACKWARD_TRANSIENT_TD * td * 4
@@ -495,6 +648,12 @@ def plan_memory(
         "gradients set to None between steps (zero_grad(set_to_none=True))"
         + ("; kept alive across accumulated micro-batches" if persistent_grads else ""),
     ]
+    if o.qk_norm:
+        assumptions.insert(
+            1,
+            "QK-norm: each block also keeps the LayerNorm'd q and k and their statistics"
+            + (" (LayerNorm in fp32 under CUDA autocast)" if mixed and device == "cuda" else ""),
+        )
     if ddp:
         assumptions.append(
             "DDP: gradient buckets are a second fp32 copy of the gradients"

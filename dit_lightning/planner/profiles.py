@@ -24,6 +24,7 @@ from typing import Optional
 from ..atomic import write_text
 from ..models.dit import DIT_CONFIGS
 from ..models.flops import shape_of, training_flops
+from ..precision import dtype_name, is_mixed, short_name
 from .memory import GiB, Sharding, Strategy
 from .recommend import Recommendation, recommend
 
@@ -178,14 +179,10 @@ def profile_recommendation(name: str) -> Recommendation:
 # ---- rendering ------------------------------------------------------------------------------------
 
 
-def _dtype_name(precision: str) -> str:
-    return {"bf16-mixed": "bfloat16", "16-mixed": "float16"}.get(precision, "float32")
-
-
 def _trades(rec: Recommendation) -> list[str]:
     """What the settings trade, in words, with the planner's numbers (one paragraph each)."""
     world, m, a = rec.world_size, rec.micro_batch, rec.accumulate_grad_batches
-    half = {"bf16-mixed": "bf16", "16-mixed": "fp16"}.get(rec.precision)
+    half = short_name(rec.precision) if is_mixed(rec.precision) else None
     if half and rec.strategy == "fsdp":
         text = (
             f"{half} compute: FSDP gathers the weights in {half} and reduces the gradients in fp32; the sharded "
@@ -275,8 +272,8 @@ def _strategy_block(
             "    class_path: dit_lightning.distributed.DiTFSDP2Strategy",
             "    init_args:",
         ]
-        if rec.precision != "32-true":
-            lines += [f"      param_dtype: {_dtype_name(rec.precision)}", "      reduce_dtype: float32"]
+        if is_mixed(rec.precision):
+            lines += [f"      param_dtype: {dtype_name(rec.precision)}", "      reduce_dtype: float32"]
         if hybrid_shard_size:
             lines.append(f"      hybrid_shard_size: {hybrid_shard_size}   # the GPUs of one node")
         else:
@@ -289,8 +286,8 @@ def _strategy_block(
         f"      sharding_strategy: {rec.sharding}",
         "      state_dict_type: sharded",
     ]
-    if rec.precision != "32-true":
-        lines += [f"      param_dtype: {_dtype_name(rec.precision)}", "      reduce_dtype: float32"]
+    if is_mixed(rec.precision):
+        lines += [f"      param_dtype: {dtype_name(rec.precision)}", "      reduce_dtype: float32"]
     return rec.precision, lines
 
 
@@ -329,7 +326,7 @@ def render_yaml(
     if num_nodes > 1:
         lines.append(f"  num_nodes: {num_nodes}")
     lines.append(f"  precision: {precision}")
-    if fsdp2 and rec.precision != "32-true":
+    if fsdp2 and is_mixed(rec.precision):
         lines[-1] += "   # the compute dtype comes from param_dtype (no autocast needed)"
     lines.append(f"  accumulate_grad_batches: {rec.accumulate_grad_batches}")
     lines += strategy

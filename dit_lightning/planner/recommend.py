@@ -24,26 +24,21 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
-from ..models.flops import shape_of, training_flops
-from ..precision import to_dtype
+from ..models.flops import training_flops
+from ..precision import TrainingPrecision, best_mixed_precision, itemsize, to_dtype
 from .hardware import GPUS, GPUSpec, gpu_spec, local_gpu
 from .memory import (
-    AttentionKind,
-    CheckpointArg,
-    DeviceKind,
     GiB,
     MemoryPlan,
-    OptimizerName,
-    Precision,
+    PlanOptions,
     Sharding,
     Strategy,
     checkpointed_block_indices,
-    param_counts,
     plan_memory,
 )
 
 # Assumed hardware utilisation of executed FLOPs, relative to the dense peak of the precision.
-DEFAULT_MFU = {"bf16-mixed": 0.35, "16-mixed": 0.35, "32-true": 0.12}
+DEFAULT_MFU: dict[TrainingPrecision, float] = {"bf16-mixed": 0.35, "16-mixed": 0.35, "32-true": 0.12}
 SATURATION_TOKENS = 4096  # tokens per micro-batch from which the assumed utilisation holds
 LAUNCH_S = 5e-6  # per kernel: the floor of a micro-batch when kernels are tiny
 KERNELS_PER_BLOCK = 80  # forward + backward kernels of one DiT block (recompute adds ~25)
@@ -147,43 +142,37 @@ def _peak_tflops(spec: GPUSpec, precision: str) -> float:
 
 
 def estimate_step_time(
-    model: str,
-    spec: GPUSpec,
-    world_size: int,
-    global_batch: int,
-    micro_batch: int,
-    precision: str,
-    checkpointed_blocks: int,
-    strategy: str,
-    sharding: Optional[str],
-    mfu: Optional[float] = None,
-    **shape_kwargs,
+    options: PlanOptions, spec: GPUSpec, global_batch: int, mfu: Optional[float] = None
 ) -> tuple[float, float, float]:
-    """(step seconds, assumed utilisation, useful MFU) of one optimiser step."""
-    shape = shape_of(model, **shape_kwargs)
+    """(step seconds, assumed utilisation, useful MFU) of one optimiser step of ``options`` (its
+    unset settings as :func:`plan_memory` plans them) at ``global_batch`` on GPUs ``spec``."""
+    o = options.planned()
+    assert o.micro_batch is not None and o.precision is not None  # planned() sets them
+    shape, world_size, micro_batch, precision = o.shape, o.world_size, o.micro_batch, o.precision
+    checkpointed_blocks = len(checkpointed_block_indices(o.activation_checkpointing, shape.depth))
     useful, executed = training_flops(shape, recomputed_blocks=checkpointed_blocks)
     util = DEFAULT_MFU[precision] if mfu is None else mfu
     peak = _peak_tflops(spec, precision) * 1e12
     per_gpu = global_batch // world_size
     n_micro = per_gpu // micro_batch
-    eff = FSDP_EFFICIENCY if (strategy == "fsdp" and world_size > 1) else 1.0
+    eff = FSDP_EFFICIENCY if o.sharded else 1.0
     eff *= min(1.0, micro_batch * shape.tokens / SATURATION_TOKENS) ** 0.5
     kernels = shape.depth * KERNELS_PER_BLOCK + 25 * checkpointed_blocks + 60
     micro = max(micro_batch * executed / (util * eff * peak), kernels * LAUNCH_S)
     compute = n_micro * micro
-    pc = param_counts(shape)
+    pc = o.param_counts()
     comm = 0.0
     if world_size > 1:
         ring = 2 * (world_size - 1) / world_size
-        pbytes = 2 if precision != "32-true" else 4
-        if strategy == "ddp":
+        pbytes = itemsize(precision)
+        if o.strategy == "ddp":
             traffic = ring * 4 * pc["trainable"]  # fp32 gradient all-reduce
-        elif sharding == "FULL_SHARD":
+        elif o.sharding == "FULL_SHARD":
             traffic = ring / 2 * pbytes * pc["total"] * 3  # all-gather fwd + bwd, reduce-scatter
         else:
             traffic = ring / 2 * pbytes * pc["total"] * 2
         comm = traffic / (spec.link_gbs * 1e9)
-    shard = world_size if strategy == "fsdp" else 1
+    shard = world_size if o.strategy == "fsdp" else 1
     optim = OPTIMIZER_BYTES_PER_PARAM * pc["total"] / shard / (0.7 * spec.bandwidth_tbs * 1e12)
     step = max(compute, comm) + optim
     useful_mfu = global_batch * useful / (step * world_size * peak)
@@ -195,52 +184,46 @@ def _divisors(n: int) -> list[int]:
 
 
 def recommend(
-    model: str = "DiT-XL/2",
+    options: Union[PlanOptions, str, None] = None,
+    *,
     gpu: Optional[Union[str, GPUSpec]] = "rtx4090",
-    num_gpus: int = 1,
     global_batch: int = 256,
-    latent_size: int = 32,
-    precision: Optional[Precision] = None,
-    strategy: Optional[Strategy] = None,
-    sharding: Optional[Sharding] = None,
-    micro_batch: Optional[int] = None,
-    optimizer: OptimizerName = "adamw",
-    ema: bool = True,
     memory_gib: Optional[float] = None,
     mfu: Optional[float] = None,
     steps: int = 400_000,
     price_per_gpu_hour: Optional[float] = None,
     top: int = 8,
-    activation_checkpointing: Union[CheckpointArg, Sequence[int], None] = None,
-    device: DeviceKind = "cuda",
-    attention: AttentionKind = "auto",
-    fused_optimizer: Optional[bool] = None,
-    ddp_gradient_as_bucket_view: bool = True,
-    shard_group: Optional[int] = None,
-    **shape_kwargs: Any,
+    num_gpus: Optional[int] = None,
+    **levers: Any,
 ) -> Recommendation:
-    """Recommend the fastest configuration of ``num_gpus`` GPUs that fits at ``global_batch``.
+    """Recommend the fastest configuration of ``world_size`` GPUs that fits at ``global_batch``.
 
     Args:
-        model, latent_size, shape_kwargs: the network (see :func:`plan_memory`).
+        options: the run (:class:`~dit_lightning.planner.memory.PlanOptions`), or a model name.
+            Its ``precision``, ``strategy``, ``sharding``, ``micro_batch`` (or
+            ``accumulate_grad_batches``) and ``activation_checkpointing`` pin a choice when set
+            (the checkpointing pin takes the model's spellings); unset, they are searched. An unset
+            ``ddp_gradient_as_bucket_view`` is True (the answer names DiTDDPStrategy). On a ``cpu``
+            device the search keeps to 32-true unless a precision is pinned: 16-bit matmuls are slow
+            on most CPUs.
         gpu: GPU type (its memory, peak compute, bandwidth): a name of the table, the name
             ``torch.cuda.get_device_name()`` prints, ``"auto"`` (this machine's device 0) or a
             :class:`GPUSpec`; ``memory_gib`` overrides its memory. Without a GPU type (None) a
             ``memory_gib`` budget is searched with a nominal device: the ranking holds, the times
             are only relative.
-        num_gpus: data-parallel world size; ``global_batch`` must be divisible by it.
-        precision / strategy / sharding / micro_batch / activation_checkpointing: pin a choice
-            (default: search; the checkpointing pin takes the model's spellings).
+        global_batch: micro-batch x GPUs x accumulation, exactly; divisible by the number of GPUs.
         mfu: measured utilisation of the executed FLOPs (default 0.35 for 16-bit, 0.12 for fp32).
         steps, price_per_gpu_hour: for the time and cost of the run.
         top: how many alternatives to keep in the ranking.
-        device: ``cuda`` (context, workspaces, fragmentation counted) or ``cpu`` (what the CPU
-            allocator sees; the search then keeps to 32-true unless a precision is pinned: 16-bit
-            matmuls are slow on most CPUs).
-        attention, fused_optimizer, ddp_gradient_as_bucket_view, shard_group: as in :func:`plan_memory`.
+        num_gpus: the data-parallel world size (the options' ``world_size``).
+        levers: :class:`~dit_lightning.planner.memory.PlanOptions` fields to set or change, by name.
     """
-    if global_batch % num_gpus:
-        raise ValueError(f"global batch {global_batch} is not divisible by {num_gpus} GPUs")
+    o = PlanOptions.of(options, **levers)
+    if num_gpus is not None:
+        o = o.replace(world_size=num_gpus)
+    world = o.world_size
+    if global_batch % world:
+        raise ValueError(f"global batch {global_batch} is not divisible by {world} GPUs")
     nominal = False
     if isinstance(gpu, GPUSpec):
         spec = gpu
@@ -251,68 +234,77 @@ def recommend(
     elif gpu:
         spec = gpu_spec(gpu)
     elif memory_gib is not None:
-        spec, nominal = nominal_spec(memory_gib, device), True
+        spec, nominal = nominal_spec(memory_gib, o.device), True
     else:
         raise ValueError(
             "recommend needs a GPU type (gpu: a name of the table, or 'auto' for this machine's GPU) or a memory "
             "budget (memory_gib): the search fits settings into a memory"
         )
     budget_gib = memory_gib if memory_gib is not None else spec.usable_gib
-    per_gpu = global_batch // num_gpus
-    shape = shape_of(model, input_size=latent_size, **shape_kwargs)
-    depth = shape.depth
-    skw = dict(latent_size=latent_size, **shape_kwargs)
+    per_gpu = global_batch // world
+    depth = o.shape.depth
+    bucket_view = True if o.ddp_gradient_as_bucket_view is None else o.ddp_gradient_as_bucket_view
+    base = o.replace(ddp_gradient_as_bucket_view=bucket_view)
 
-    precisions: list[Precision]
+    precisions: list[TrainingPrecision]
     layouts: list[tuple[Strategy, Optional[Sharding]]]
-    if precision is not None:
-        precisions = [precision]
-    elif device == "cpu":
+    if o.precision is not None:
+        precisions = [o.precision]
+    elif o.device == "cpu":
         precisions = ["32-true"]
     else:
-        precisions = ["bf16-mixed" if spec.supports_bf16 else "16-mixed", "32-true"]
+        precisions = [best_mixed_precision(spec.supports_bf16), "32-true"]
     pinned_blocks = (
-        None if activation_checkpointing is None else checkpointed_block_indices(activation_checkpointing, depth)
+        None if o.activation_checkpointing is None else checkpointed_block_indices(o.activation_checkpointing, depth)
     )
-    if num_gpus == 1:
+    if world == 1:
         layouts = [("ddp", None)]
-    elif strategy == "ddp":
+    elif o.strategy == "ddp":
         layouts = [("ddp", None)]
-    elif strategy == "fsdp":
-        layouts = [("fsdp", sharding)] if sharding else [("fsdp", "SHARD_GRAD_OP"), ("fsdp", "FULL_SHARD")]
+    elif o.strategy == "fsdp":
+        layouts = [("fsdp", o.sharding)] if o.sharding else [("fsdp", "SHARD_GRAD_OP"), ("fsdp", "FULL_SHARD")]
     else:
         layouts = [("ddp", None), ("fsdp", "SHARD_GRAD_OP"), ("fsdp", "FULL_SHARD")]
+    micro_batch = o.micro_batch
+    if o.accumulate_grad_batches is not None:
+        if per_gpu % o.accumulate_grad_batches:
+            raise ValueError(
+                f"{o.accumulate_grad_batches} accumulation steps do not divide the per-GPU batch {per_gpu} "
+                f"({global_batch}/{world})"
+            )
+        if micro_batch is not None and micro_batch * o.accumulate_grad_batches != per_gpu:
+            raise ValueError(
+                f"micro-batch {micro_batch} x {o.accumulate_grad_batches} accumulation steps is not the per-GPU "
+                f"batch {per_gpu} ({global_batch}/{world})"
+            )
+        micro_batch = per_gpu // o.accumulate_grad_batches
     micros = [micro_batch] if micro_batch else _divisors(per_gpu)
     if micro_batch and per_gpu % micro_batch:
         raise ValueError(
-            f"micro-batch {micro_batch} does not divide the per-GPU batch {per_gpu} ({global_batch}/{num_gpus})"
+            f"micro-batch {micro_batch} does not divide the per-GPU batch {per_gpu} ({global_batch}/{world})"
+        )
+
+    def candidate(
+        prec: TrainingPrecision, strat: Strategy, shard: Optional[Sharding], mb: int, k: Union[int, Sequence[int]]
+    ) -> PlanOptions:
+        """The run with one candidate's settings (k: the first k blocks, or the blocks listed)."""
+        return base.replace(
+            precision=prec,
+            strategy=strat,
+            sharding=shard or "FULL_SHARD",
+            micro_batch=mb,
+            accumulate_grad_batches=per_gpu // mb,
+            activation_checkpointing=k,
         )
 
     def memory(
-        prec: Precision, strat: Strategy, shard: Optional[Sharding], mb: int, k: Union[int, Sequence[int]]
+        prec: TrainingPrecision, strat: Strategy, shard: Optional[Sharding], mb: int, k: Union[int, Sequence[int]]
     ) -> MemoryPlan:
         return plan_memory(
-            model,
-            micro_batch=mb,
-            precision=prec,
-            activation_checkpointing=k,
-            strategy=strat,
-            sharding=shard or "FULL_SHARD",
-            world_size=num_gpus,
-            optimizer=optimizer,
-            fused_optimizer=fused_optimizer,
-            ema=ema,
-            accumulate_grad_batches=per_gpu // mb,
-            ddp_gradient_as_bucket_view=ddp_gradient_as_bucket_view,  # the project's DDP: no second gradient copy
-            gpu=spec.name if spec.name in GPUS else None,
-            memory_gib=budget_gib,
-            attention=attention,
-            device=device,
-            shard_group=shard_group,
-            **skw,
+            candidate(prec, strat, shard, mb, k), gpu=spec.name if spec.name in GPUS else None, memory_gib=budget_gib
         )
 
-    evaluated: list[tuple[Candidate, MemoryPlan]] = []
+    evaluated: list[tuple[Candidate, MemoryPlan, PlanOptions]] = []
     for prec in precisions:
         for strat, shard in layouts:
             for mb in micros:
@@ -332,12 +324,11 @@ def recommend(
                         else:
                             lo = mid + 1
                     k, plan_k, fits = lo, memory(prec, strat, shard, mb, lo), True
-                t, _, _ = estimate_step_time(
-                    model, spec, num_gpus, global_batch, mb, prec, k, strat, shard, mfu, **skw_shape(skw)
-                )
+                run = candidate(prec, strat, shard, mb, list(pinned_blocks) if pinned_blocks is not None else k)
+                t, _, _ = estimate_step_time(run, spec, global_batch, mfu)
                 cand = Candidate(
                     precision=prec,
-                    strategy=strat if num_gpus > 1 else "single device",
+                    strategy=strat if world > 1 else "single device",
                     sharding=shard,
                     micro_batch=mb,
                     accumulate_grad_batches=per_gpu // mb,
@@ -348,15 +339,15 @@ def recommend(
                     images_per_s=round(global_batch / t, 2),
                     total_bytes=plan_k.total,
                     activation_checkpointing=(
-                        str(activation_checkpointing)
-                        if pinned_blocks is not None and not isinstance(activation_checkpointing, (list, tuple))
+                        str(o.activation_checkpointing)
+                        if pinned_blocks is not None and not isinstance(o.activation_checkpointing, (list, tuple))
                         else checkpoint_spelling(k, depth)
                     ),
                 )
-                evaluated.append((cand, plan_k))
+                evaluated.append((cand, plan_k, run))
 
-    def rank(item: tuple[Candidate, MemoryPlan]) -> tuple:
-        c, _ = item
+    def rank(item: tuple[Candidate, MemoryPlan, PlanOptions]) -> tuple:
+        c = item[0]
         return (not c.fits, c.step_time_s, c.accumulate_grad_batches, c.strategy == "fsdp", c.precision != "bf16-mixed")
 
     evaluated.sort(key=rank)
@@ -373,31 +364,19 @@ def recommend(
             e[0].step_time_s,
         )
     )
-    best, best_plan = close[0]
+    best, best_plan, chosen = close[0]
     evaluated.remove(close[0])
     evaluated.insert(0, close[0])
-    t, util, useful_mfu = estimate_step_time(
-        model,
-        spec,
-        num_gpus,
-        global_batch,
-        best.micro_batch,
-        best.precision,
-        best.checkpointed_blocks,
-        best.strategy,
-        best.sharding,
-        mfu,
-        **skw_shape(skw),
-    )
+    t, util, useful_mfu = estimate_step_time(chosen, spec, global_batch, mfu)
     hours = steps * t / 3600
     args = [
-        f"--trainer.devices {num_gpus}",
+        f"--trainer.devices {world}",
         f"--trainer.precision {best.precision}",
         f"--trainer.accumulate_grad_batches {best.accumulate_grad_batches}",
         f"--data.global_batch_size {global_batch}",
         f"--model.activation_checkpointing {best.activation_checkpointing}",
     ]
-    if num_gpus > 1:
+    if world > 1:
         if best.strategy == "ddp":  # the project's DDP strategy: gradient_as_bucket_view=True
             args += ["--trainer.strategy dit_lightning.distributed.DiTDDPStrategy"]
         else:  # FSDP1, one unit per DiTBlock and per DiT (model and EMA)
@@ -423,17 +402,17 @@ def recommend(
             f"no GPU type: a {budget_gib:g} GiB budget on a nominal {spec.name} (the ranking holds; the step "
             "times are relative, not predictions)",
         )
-    if device == "cpu" and precision is None:
+    if o.device == "cpu" and o.precision is None:
         assumptions.append("CPU: 32-true only (16-bit matmuls are slower than fp32 on most CPUs)")
-    if num_gpus > 1 and ddp_gradient_as_bucket_view:
+    if world > 1 and bucket_view:
         assumptions.append("DDP with gradient_as_bucket_view=True (no bucket copy of the gradients)")
         assumptions.append(
             f"communication over ~{spec.link_gbs:g} GB/s links, overlapped with compute (step = max of the two)"
         )
     return Recommendation(
-        model=model,
+        model=o.model,
         gpu=None if nominal else spec.name,
-        world_size=num_gpus,
+        world_size=world,
         global_batch=global_batch,
         feasible=best.fits,
         micro_batch=best.micro_batch,
@@ -449,22 +428,15 @@ def recommend(
         model_flops_utilisation=useful_mfu,
         steps=steps,
         hours=hours,
-        gpu_hours=hours * num_gpus,
+        gpu_hours=hours * world,
         price_per_gpu_hour=price_per_gpu_hour,
-        cost=None if price_per_gpu_hour is None else hours * num_gpus * price_per_gpu_hour,
+        cost=None if price_per_gpu_hour is None else hours * world * price_per_gpu_hour,
         memory=best_plan,
         lightning_args=args,
-        alternatives=[c for c, _ in evaluated[:top]],
+        alternatives=[e[0] for e in evaluated[:top]],
         assumptions=assumptions,
         activation_checkpointing=best.activation_checkpointing,
-        device=device,
+        device=o.device,
         budget_gib=budget_gib,
         nominal_device=nominal,
     )
-
-
-def skw_shape(skw: dict) -> dict:
-    """Map the plan's keyword names to :func:`shape_of` names (latent_size -> input_size)."""
-    out = {k: v for k, v in skw.items() if k != "latent_size"}
-    out["input_size"] = skw.get("latent_size", 32)
-    return out

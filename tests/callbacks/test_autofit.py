@@ -238,3 +238,17 @@ def test_dit_xl2_started_too_big_on_a_real_gpu_backs_off_to_a_setting_that_fits(
         f"setting for that micro-batch: {pinned.chosen.short()}"
     )
     assert landed.checkpointed_blocks >= pinned.chosen.checkpointed_blocks or landed.micro_batch < 512
+
+
+def test_the_problem_of_a_module_plans_its_qk_norm():
+    """build_problem reads the network's QK-norm, so auto-fit plans its extra saved tensors."""
+    from dit_lightning.callbacks.autofit import build_problem
+
+    kw: dict[str, Any] = dict(
+        depth=2, hidden_size=32, num_heads=4, patch_size=2, latent_shape=(4, 8, 8), num_classes=10
+    )
+    plain = build_problem(DiTModule("custom", **kw), 32, 1, "cpu", None, {})
+    qk = build_problem(DiTModule("custom", qk_norm=True, **kw), 32, 1, "cpu", None, {})
+    assert qk.shape == {**plain.shape, "qk_norm": True} and plain.shape["qk_norm"] is False
+    s = plain.setting("32-true", 32, 0)
+    assert qk.peak(s) > plain.peak(s)

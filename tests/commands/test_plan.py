@@ -81,3 +81,16 @@ def test_the_models_checkpointing_syntax_and_a_hardware_profile_as_yaml():
     assert profile["trainer"]["precision"] == "bf16-mixed" and profile["model"]["activation_checkpointing"] == "none"
     with pytest.raises(ValueError, match="add --fit"):
         plan(gpu="rtx4090", format="yaml")
+
+
+def test_qk_norm_flag_plans_the_models_qk_norm(capsys):
+    """`--qk_norm true` (the model's own option) reaches the memory plan and the --fit search."""
+    from dit_lightning.cli import main
+
+    plain = json.loads(_run_plan(model="DiT-B/2", gpu="rtx4090", format="json"))
+    main(["plan", "--model", "DiT-B/2", "--gpu", "rtx4090", "--qk_norm", "true", "--format", "json"])
+    qk = json.loads(capsys.readouterr().out)
+    assert qk["total"] > plain["total"] and "QK-norm" in qk["assumptions"][1]
+    assert set(qk["activations_per_block"]) - set(plain["activations_per_block"]) >= {"QK-norm mean/rstd"}
+    fit = json.loads(_run_plan(model="DiT-B/2", memory_gib=6, qk_norm=True, fit=True, format="json"))
+    assert any("QK-norm" in a for a in fit["memory"]["assumptions"])

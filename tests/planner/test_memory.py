@@ -7,8 +7,16 @@ import pytest
 import torch
 
 from dit_lightning.models import build_dit, dit_params, shape_of
-from dit_lightning.planner import GiB, block_activation_terms, param_counts, plan_memory, state_per_device
+from dit_lightning.planner import (
+    GiB,
+    PlanOptions,
+    block_activation_terms,
+    param_counts,
+    plan_memory,
+    state_per_device,
+)
 from dit_lightning.planner.measure import TrainingStep, cpu_allocator_peak, measure_cpu_step_peak
+from dit_lightning.planner.memory import PLAN_DEFAULTS, qk_norm_terms
 
 SMALL = dict(depth=3, hidden_size=96, num_heads=4, patch_size=2, num_classes=10)
 
@@ -174,3 +182,104 @@ def test_state_per_device_shards_as_documented():
     plan = plan_memory("DiT-XL/2", world_size=8, strategy="fsdp", sharding="FULL_SHARD", micro_batch=1)
     assert plan.optimizer_states / 1024**3 == pytest.approx(full["optimizer"])
     assert plan.ema_weights / 1024**3 == pytest.approx(full["ema"])
+
+
+def test_plan_options_are_the_keyword_call_and_plan_the_documented_defaults():
+    """``plan_memory(PlanOptions(...))`` and the keyword call are one plan; unset settings are PLAN_DEFAULTS."""
+    o = PlanOptions(
+        "DiT-B/2", micro_batch=16, precision="16-mixed", activation_checkpointing="half", strategy="fsdp", world_size=4
+    )
+    keywords = dict(
+        micro_batch=16, precision="16-mixed", activation_checkpointing="half", strategy="fsdp", world_size=4
+    )
+    assert plan_memory(o, gpu="rtx4090") == plan_memory("DiT-B/2", gpu="rtx4090", **keywords)
+    assert plan_memory(o, ema=False) == plan_memory(o.replace(ema=False)) != plan_memory(o)
+    assert PlanOptions().planned() == PlanOptions(**PLAN_DEFAULTS)
+    default = plan_memory(PlanOptions())
+    assert (default.model, default.micro_batch, default.precision, default.checkpointed_blocks) == (
+        "DiT-XL/2",
+        32,
+        "bf16-mixed",
+        0,
+    )
+    assert (default.strategy, default.accumulate_grad_batches) == ("single device", 1)
+    with pytest.raises(TypeError, match="micro_batchh"):
+        plan_memory("DiT-XL/2", micro_batchh=8)  # a misspelt lever is an error, not ignored
+    with pytest.raises(ValueError, match="precision must be 32-true, 16-mixed, bf16-mixed"):
+        plan_memory(precision="bf16")
+
+
+def _saved_block_bytes(qk_norm: bool, attention: str, amp, device: str = "cpu", n: int = 2) -> int:
+    """Bytes one DiTBlock (16x16 latents, patch 2, width 64, 4 heads) saves for its backward, its
+    parameters and their autocast copies excluded."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    block = build_dit(
+        "custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10, qk_norm=qk_norm
+    ).blocks[0]
+    block.to(device)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    x = torch.randn(n, 64, 64, device=device, requires_grad=True)
+    c = torch.randn(n, 64, device=device, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    kernel = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
+    cast = torch.autocast(device, dtype=amp) if amp else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kernel, cast:
+        block(x, c)
+    # autocast's 16-bit copies of the matmul weights (the QK-norm's LayerNorm weights are not cast)
+    copies = 2 * sum(p.numel() for name, p in block.named_parameters() if p.dim() == 2) if amp else 0
+    return sum(saved.values()) - c.numel() * 4 - copies
+
+
+QK_CASES = [("flash", None), ("math", None), ("flash", torch.bfloat16), ("math", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("attention, amp", QK_CASES, ids=["flash", "math", "flash-bf16", "math-bf16"])
+def test_qk_norm_adds_the_tensors_autograd_saves(attention, amp):
+    """The QK-norm's terms are what its LayerNorms add to a block's saved set, byte for byte (CPU)."""
+    shape = shape_of("custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10)
+    measured = _saved_block_bytes(True, attention, amp) - _saved_block_bytes(False, attention, amp)
+    assert sum(qk_norm_terms(shape, 2, amp is not None, attention, "cpu").values()) == measured
+    assert param_counts(shape, qk_norm=True)["block"] - param_counts(shape)["block"] == 4 * 16  # 2 LayerNorms(16)
+
+
+# What the QK-norm added to that block's saved set on an NVIDIA H200 (torch 2.11, SDPA's default kernel:
+# flash for 16 bits, memory-efficient for fp32), in bytes: CUDA autocast runs LayerNorm in fp32.
+QK_NORM_ON_H200 = {("flash", None): 73728, ("math", None): 106496, ("flash", "bf16"): 122880, ("math", "bf16"): 73728}
+
+
+def test_qk_norm_terms_on_cuda_are_what_an_h200_saved():
+    shape = shape_of("custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10)
+    for (attention, amp), measured in QK_NORM_ON_H200.items():
+        assert sum(qk_norm_terms(shape, 2, amp is not None, attention, "cuda").values()) == measured, attention
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attention, amp", QK_CASES, ids=["flash", "math", "flash-bf16", "math-bf16"])
+def test_qk_norm_adds_the_tensors_autograd_saves_on_cuda(attention, amp):
+    shape = shape_of("custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10)
+    measured = _saved_block_bytes(True, attention, amp, "cuda") - _saved_block_bytes(False, attention, amp, "cuda")
+    assert sum(qk_norm_terms(shape, 2, amp is not None, attention, "cuda").values()) == measured
+
+
+@pytest.mark.parametrize(
+    "case",
+    [dict(batch=8), dict(batch=4, depth=2, hidden_size=64, num_heads=2, precision="bf16-mixed")],
+    ids=["fp32", "bf16-mixed"],
+)
+def test_qk_norm_prediction_matches_the_measured_peak_of_a_real_step(case):
+    """The lever end to end: a DiTModule with qk_norm, one real CPU step, against the planner."""
+    measured, planned = _measured_and_planned(qk_norm=True, **case)
+    assert planned.peak_allocated == pytest.approx(measured, rel=0.05), (planned.peak_phase, measured)
+    assert any("QK-norm" in a for a in planned.assumptions)
+    measured_without, planned_without = _measured_and_planned(**case)
+    # what the lever adds, predicted within 2% of what the step measured
+    added = planned.peak_allocated - planned_without.peak_allocated
+    assert added == pytest.approx(measured - measured_without, rel=0.02)

@@ -3,7 +3,7 @@ global batches, time and cost."""
 
 import pytest
 
-from dit_lightning.planner import plan_memory, recommend
+from dit_lightning.planner import PlanOptions, plan_memory, recommend
 
 
 def test_fit_picks_the_minimum_number_of_checkpointed_blocks_and_is_monotonic():
@@ -54,3 +54,21 @@ def test_fit_estimates_time_and_cost():
     assert rec.images_per_s < 4 * 312e12 / 712e9
     slow = recommend("DiT-XL/2", gpu="a100-80gb", num_gpus=4, mfu=0.1, precision="bf16-mixed")
     assert slow.images_per_s < rec.images_per_s
+
+
+def test_fit_takes_the_plan_options_and_pins_what_they_set():
+    """recommend(PlanOptions) is the keyword call; set settings are pinned, an accumulation pins the micro-batch."""
+    options = PlanOptions("DiT-B/2", precision="16-mixed", optimizer="sgd", ema=False, world_size=2)
+    rec = recommend(options, gpu="rtx4090", global_batch=128)
+    assert rec == recommend("DiT-B/2", gpu="rtx4090", global_batch=128, num_gpus=2, precision="16-mixed",
+                            optimizer="sgd", ema=False)  # fmt: skip
+    assert rec.precision == "16-mixed" and not rec.memory.ema and rec.memory.optimizer == "sgd"
+    pinned = recommend(options.replace(accumulate_grad_batches=4), gpu="rtx4090", global_batch=128)
+    assert (pinned.micro_batch, pinned.accumulate_grad_batches) == (16, 4)
+    assert {(c.micro_batch, c.accumulate_grad_batches) for c in pinned.alternatives} == {(16, 4)}
+    with pytest.raises(ValueError, match="do not divide"):
+        recommend(options.replace(accumulate_grad_batches=5), gpu="rtx4090", global_batch=128)
+    # a lever of the options reaches every candidate's memory plan
+    fixed = options.replace(micro_batch=64, activation_checkpointing="none")
+    with_ema = recommend(fixed.replace(ema=True), gpu="rtx4090", global_batch=128)
+    assert with_ema.memory.total > recommend(fixed, gpu="rtx4090", global_batch=128).memory.total
