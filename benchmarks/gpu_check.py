@@ -305,6 +305,7 @@ def base_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["PYTHONWARNINGS"] = "ignore::DeprecationWarning"
+    env["DIT_LIGHTNING_DEBUG"] = "1"  # tracebacks in the logs: a failure here must be diagnosable from them
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS (what Trainer(deterministic=...) sets)
     return env
 

@@ -262,9 +262,12 @@ def test_fused_adamw_grad_norm_under_16_mixed_on_gpu():
     _, _, foreach = _fp16_scaled_run(
         fused=False, max_steps=2, accelerator="gpu", devices=1, precision="16-mixed", log_every_n_steps=1
     )
-    for a, b in zip(record.steps, foreach):
+    for step, (a, b) in enumerate(zip(record.steps, foreach)):
         assert a["train/loss_scale"] == b["train/loss_scale"] > 1
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-3)
+        # step 0: the same weights, so the same gradients: the logged norm is the true (unscaled) one.
+        # Later steps start from weights fused and foreach AdamW rounded differently, which fp16 autocast
+        # amplifies (0.7% on an H200 at step 1); a scaled norm would be 65536 times off.
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-3 if step == 0 else 3e-2)
 
 
 @pytest.mark.gpu

@@ -600,12 +600,12 @@ class FaultTolerance(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self._watch is not None and trainer.state.fn == "fit":
             self._watch_before_save(trainer)
-        finite = True
+        checks = []
         for p in pl_module.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p  # DTensor shards under FSDP2
-            if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
-                finite = False
-                break
+            if local.is_floating_point() and local.numel():
+                checks.append(torch.isfinite(local).all())
+        finite = bool(torch.stack(checks).all()) if checks else True  # one read for all the weights
         if trainer.world_size > 1 and is_sharded(pl_module):  # shards differ; DDP replicas are equal
             finite = trainer.strategy.reduce_boolean_decision(finite, all=True)
         if not finite:

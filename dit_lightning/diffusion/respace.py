@@ -61,10 +61,12 @@ def space_timesteps(num_timesteps: int, section_counts: Union[str, list[int]]) -
 class _TimestepMappedModel:
     """Calls the wrapped model with the original index of each spaced timestep."""
 
-    def __init__(self, model_fn: ModelFn, timestep_map: list[int]) -> None:
+    def __init__(self, model_fn: ModelFn, timestep_map: list[int], tables: dict[torch.device, Tensor]) -> None:
         self.model_fn = model_fn
         self.timestep_map = timestep_map
-        self._map_cache: dict[torch.device, Tensor] = {}
+        # the diffusion's own cache: a wrapper is made per call, and copying the table to the device
+        # on every training step would stall it (a host-to-device copy from a Python list)
+        self._map_cache = tables
 
     def __call__(self, x: Tensor, t: Tensor, **kwargs: Any) -> Tensor:
         table = self._map_cache.get(t.device)
@@ -101,12 +103,18 @@ class SpacedDiffusion(GaussianDiffusion):
                 self.timestep_map.append(i)
         kwargs["betas"] = np.array(new_betas, dtype=np.float64)
         super().__init__(**kwargs)
+        self._map_cache: dict[torch.device, Tensor] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_map_cache"] = {}  # device tensors: rebuilt on demand
+        return state
 
     def _wrap_model(self, model_fn: ModelFn) -> ModelFn:
         # Idempotent: public entry points wrap, and may call one another.
         if isinstance(model_fn, _TimestepMappedModel) and model_fn.timestep_map is self.timestep_map:
             return model_fn
-        return _TimestepMappedModel(model_fn, self.timestep_map)
+        return _TimestepMappedModel(model_fn, self.timestep_map, self._map_cache)
 
     def original_timesteps(self, t: Tensor) -> Tensor:
         """Original-process indices of spaced timesteps ``t``."""

@@ -133,7 +133,9 @@ def full_state_dict(net: nn.Module, rank0_only: bool = False) -> dict[str, Tenso
         def clean(name: str) -> str:
             return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
-        with FSDP.summon_full_params(net, writeback=False, rank0_only=rank0_only, offload_to_cpu=True):
+        # FSDP1 refuses to offload unsharded (NO_SHARD, e.g. one device) parameters; they are copied below
+        offload = dist.get_world_size() > 1
+        with FSDP.summon_full_params(net, writeback=False, rank0_only=rank0_only, offload_to_cpu=offload):
             if rank0_only and dist.get_rank() != 0:
                 return {}
             named = list(net.named_parameters()) + list(net.named_buffers())

@@ -551,3 +551,28 @@ def test_exact_denoiser_samples_the_data_under_cosine_unclipped(respacing, sampl
     final = out["sample"]
     assert final.abs().max() <= 1 + 1e-9 and (final.abs() > 0.99).float().mean() > 0.97
     assert abs(final.mean().item()) < 0.1
+
+
+def test_the_timestep_map_reaches_the_device_once_not_every_step():
+    """The respaced model wrapper is made per call; the table mapping spaced to original timesteps
+    is the diffusion's, so it is copied to the device once (a copy per step stalls a GPU's queue:
+    CUDA's sync-debug mode in `make gpu-check` found it), and it stays out of pickles."""
+    import pickle
+
+    d = create_diffusion("", diffusion_steps=1000)  # training: all 1000 steps, through SpacedDiffusion
+    assert isinstance(d, SpacedDiffusion)
+    seen: list[torch.Tensor] = []
+
+    def model_fn(x, t, **kwargs):
+        seen.append(t)
+        return torch.zeros(x.shape[0], 2 * x.shape[1], *x.shape[2:])
+
+    x = torch.randn(2, 1, 4, 4)
+    for _ in range(2):
+        d.training_losses(model_fn, x, torch.tensor([3, 999]))
+    assert [t.tolist() for t in seen] == [[3, 999], [3, 999]]
+    assert list(d._map_cache) == [torch.device("cpu")]
+    table = d._map_cache[torch.device("cpu")]
+    d.training_losses(model_fn, x, torch.tensor([0, 1]))
+    assert d._map_cache[torch.device("cpu")] is table
+    assert pickle.loads(pickle.dumps(d))._map_cache == {}
