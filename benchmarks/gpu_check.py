@@ -811,6 +811,12 @@ def stage_distributed(ctx: Context) -> None:
         if ctx.dry and not in_dry_run:
             ctx.add("distributed", name, "skipped: not in the dry run (the GPU run trains it)")
             return
+        if name == "fsdp2-2proc" and not ctx.dry:
+            # Two ranks on one GPU need gloo (NCCL refuses them), and torch 2.11 cannot build a CUDA
+            # DeviceMesh over a gloo group (it deep-copies gloo's options: "cannot pickle ... _Options",
+            # seen on an H200, 2026-12-04); the dry run trains it on the CPU, a 2-GPU machine over NCCL
+            ctx.add("distributed", name, "skipped: needs 2 GPUs (FSDP2's CUDA mesh refuses gloo, NCCL two ranks)")
+            return
         config = fit_config(ctx, base / name, "32-true", steps, every, tf32=False, strategy=strategy, num_nodes=ranks)
         procs[name] = fit(ctx, config, base / name / "fit.log", ranks=ranks)
         if name in ("fsdp1", "fsdp2") and procs[name].ok:
@@ -1183,8 +1189,12 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    internal = {i for i, a in enumerate(given) if a.startswith("--_")}  # the re-run's own flags and values
+    internal |= {i + 1 for i in internal} | {i for i, a in enumerate(given) if a == "--python" and args._install}
+    internal |= {i + 1 for i, a in enumerate(given) if a == "--python" and args._install}
     args.command_line = "python benchmarks/gpu_check.py " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--_")
+        shlex.quote(a) for i, a in enumerate(given) if i not in internal
     )
     started_wall = args._started or time.time()
     dry = args.dry_run

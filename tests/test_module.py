@@ -226,19 +226,25 @@ def test_no_loss_scale_without_grad_scaler():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention needs a CUDA device")
 def test_flash_and_math_attention_agree_in_bf16_on_gpu():
-    """The forced SDPA kernels run (flash needs fp16/bf16 inputs) and compute the same loss."""
+    """The forced SDPA kernels run (flash needs fp16/bf16 inputs) and each computes the loss of the
+    fp32 math kernel to bf16 accuracy. Heads of 64 channels, as in every named DiT: at the tiny
+    model's 8 channels per head bf16 rounding alone moved the loss by 2-4% per kernel on an H200
+    (flash -3.8%, math -2.0% from fp32), at 64 channels by 0.7% at most."""
     batch = {k: v.cuda() for k, v in next(iter(DataLoader(DictDataset(8), batch_size=8))).items()}
-    reference = DiTModule(**TINY)
+    config = {**TINY, "hidden_size": 256, "num_heads": 4}
+    reference = DiTModule(**config)
     randomize(reference.model)  # a fresh DiT outputs 0 (adaLN-Zero): attention would not matter
     losses = {}
-    for backend in ("flash", "math", "auto"):
-        module = DiTModule(**TINY, attention_backend=backend)
+    for backend, dtype in [("math", torch.float32), ("flash", torch.bfloat16), ("math", torch.bfloat16),
+                           ("auto", torch.bfloat16)]:  # fmt: skip
+        module = DiTModule(**config, attention_backend=backend)
         module.load_state_dict(reference.state_dict())
         module.cuda()
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            losses[backend] = module.diffusion_loss(module.model, batch, 0, train=False)["loss"].float()
-    torch.testing.assert_close(losses["flash"], losses["math"], rtol=2e-2, atol=1e-3)
-    torch.testing.assert_close(losses["auto"], losses["flash"], rtol=2e-2, atol=1e-3)
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            losses[f"{backend}-{dtype}"] = module.diffusion_loss(module.model, batch, 0, train=False)["loss"].float()
+    exact = losses.pop("math-torch.float32")
+    for name, loss in losses.items():
+        torch.testing.assert_close(loss, exact, rtol=2e-2, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.gpu

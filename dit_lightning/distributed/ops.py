@@ -105,7 +105,8 @@ def clip_gradients(
     """
     if not gradient_clip_val:
         return
-    algorithm = str(gradient_clip_algorithm or "norm").lower()
+    # Lightning passes its GradClipAlgorithmType, whose str() is "GradClipAlgorithmType.NORM": read the value
+    algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm").lower()
     trainer = getattr(pl_module, "_trainer", None)
     strategy = getattr(trainer, "strategy", None)
     if algorithm == "norm":

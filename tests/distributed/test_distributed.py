@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from dit_lightning.checkpoints import infer_dit_config, is_sharded_checkpoint, load_dit_weights, read_checkpoint
 from dit_lightning.commands.consolidate import consolidate
@@ -395,3 +396,23 @@ def test_consolidate_is_a_command_line_tool(runs, tmp_path):
         as_positional=False,
     )
     assert torch.load(tmp_path / "x" / "dit.pt", weights_only=True).keys() == runs["ref"]["ema"].keys()
+
+
+@pytest.mark.parametrize("algorithm", ["norm", GradClipAlgorithmType.NORM], ids=["string", "lightning-enum"])
+def test_clipping_by_norm_under_fsdp1_uses_the_wrappers_global_norm(algorithm):
+    """The Trainer passes its GradClipAlgorithmType (whose str() is 'GradClipAlgorithmType.NORM'):
+    clipping must still take FSDP1's global-norm path, not Lightning's (which FSDPPrecision refuses).
+    Found by `make gpu-check` on an H200; FSDP1 itself needs a GPU, so its root module is stood in."""
+    from unittest import mock
+
+    from dit_lightning.distributed import DiTFSDPStrategy
+    from dit_lightning.distributed.ops import clip_gradients
+
+    strategy = DiTFSDPStrategy()
+    root = mock.Mock()
+    pl_module = mock.Mock(spec=["_trainer", "clip_gradients"])
+    pl_module._trainer = mock.Mock(strategy=strategy)
+    with mock.patch.object(DiTFSDPStrategy, "model", new_callable=mock.PropertyMock, return_value=root):
+        clip_gradients(pl_module, mock.Mock(), 0.5, algorithm)
+    root.clip_grad_norm_.assert_called_once_with(0.5)
+    pl_module.clip_gradients.assert_not_called()
