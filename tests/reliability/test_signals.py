@@ -129,7 +129,8 @@ def test_validate_test_and_predict_stop_on_the_first_signal(trained, digits, tmp
         command, "--config", DEMO, *TINY, "--data.path", str(digits), "--ckpt_path", str(trained),
         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(logs),
         "--evaluation.num_samples", "20", "--evaluation.num_steps", "3", "--evaluation.output", str(metrics),
-        "--data.predict_num_samples", "8", "--data.global_batch_size", "4", "--model.sample_steps", "3",
+        "--data.predict_num_samples", "8", "--model.sample_steps", "3",
+        *(["--data.global_batch_size", "4"] if command == "predict" else []),
         "--trainer.callbacks+=dit_lightning.callbacks.PredictionWriter", "--trainer.callbacks.output_dir",
         str(predictions),
         "--trainer.callbacks+=tests.helpers.cli.SignalAt", "--trainer.callbacks.hook", hook,
@@ -160,8 +161,7 @@ def _sample(out: Path, trained: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("tool, signals, at", [
-    ("sample", "TERM", 7), ("sample", "INT,INT", 7), ("evaluate", "INT", 7), ("extract", "TERM", 4),
-    ("export", "TERM", 1),
+    ("sample", "TERM", 7), ("evaluate", "INT,INT", 7), ("extract", "TERM", 4), ("export", "TERM", 1),
 ])  # fmt: skip
 def test_the_tools_stop_on_the_first_signal_resumable_and_at_once_on_the_second(
     tool, signals, at, trained, images_and_vae, tmp_path
