@@ -17,6 +17,7 @@ import traceback
 from typing import NoReturn, Optional
 
 from .commands import TOOLS, tool
+from .signals import SignalGuard
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 DEBUG_ENV = "DIT_LIGHTNING_DEBUG"
@@ -125,7 +126,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             raise SystemExit(f"dit-lightning: a command comes first ({', '.join(SUBCOMMANDS)} or a tool); see --help")
         _unknown(args[0])
     try:
-        _run(args)
+        with SignalGuard(f"dit-lightning {args[0]}"):  # SIGTERM / Ctrl-C: exit 143 / 130, nothing half-written
+            _run(args)
     except KeyboardInterrupt:
         print(f"\ndit-lightning {args[0]}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None

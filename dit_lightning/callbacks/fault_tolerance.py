@@ -8,8 +8,12 @@ lost rank named instead of a hang.
   optimiser step in progress finish; then every rank writes ``last.ckpt`` together through the
   checkpoint callback (atomically: :class:`~dit_lightning.plugins.AtomicCheckpointIO`), and the
   process exits with 128 + the signal's number (143, 130, 138). Resuming from it
-  (``--ckpt_path last``) continues bit for bit. A second signal stops at once. Under SLURM with
-  Lightning's auto-requeue, SIGUSR1 stays Lightning's (an hpc checkpoint and ``scontrol requeue``).
+  (``--ckpt_path last``) continues bit for bit. In ``validate`` / ``test`` / ``predict`` a signal
+  stops the stage at the end of the batch in progress or at the next sampling step (of
+  ``GenerationMetrics``, of ``predict``), writing nothing more. A second signal stops at once,
+  with the same status (never Lightning's 0). Under SLURM with Lightning's auto-requeue, SIGUSR1
+  stays Lightning's (an hpc checkpoint and ``scontrol requeue``). The mechanism is the one of every
+  command, :mod:`dit_lightning.signals`.
 - **Non-finite losses.** A NaN / inf training loss (on any rank) stops the run with a clear error
   after ``nonfinite_patience`` further such steps (default: at the first); and no checkpoint is
   ever written from weights holding NaN / inf, so a good ``last.ckpt`` is never overwritten.
@@ -41,22 +45,22 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from types import FrameType
 from typing import Any, Optional
 
 import lightning as L
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from ..atomic import NotWritableError, check_writable
 from ..distributed.sharding import is_sharded
+from ..signals import SIGNAL_NAMES, SignalExit, SignalGuard, signal_name
 from .throughput import log_every_n_steps
 
-# The signals that stop a run cleanly, and what a user reads for them.
-_SIGNALS: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGUSR1: "SIGUSR1"}
+__all__ = ["FaultTolerance", "NonFiniteLossError", "NonFiniteWeightsError", "PeerWatchdog", "SignalExit"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -65,10 +69,6 @@ class NonFiniteLossError(RuntimeError):
 
 class NonFiniteWeightsError(RuntimeError):
     """A checkpoint was about to be written from weights holding NaN / inf."""
-
-
-class SignalExit(SystemExit):
-    """Raised on every rank after the checkpoint a signal asked for is written; exits 128 + signal."""
 
 
 def _is_step_end(trainer: L.Trainer) -> bool:
@@ -305,7 +305,8 @@ class FaultTolerance(L.Callback):
     weights, check every output location before work, and name a lost rank (module docstring).
 
     Args:
-        signals: checkpoint and exit (128 + signal) on SIGTERM, SIGINT and SIGUSR1.
+        signals: on SIGTERM, SIGINT and SIGUSR1, checkpoint (fit) or stop at the next batch or sampling
+            step (validate, test, predict), and exit with 128 + the signal.
         nonfinite_patience: consecutive optimiser steps with a NaN / inf loss tolerated before the
             run stops (0: stop at the first; mixed precision with a loss scaler may want a few).
         check_outputs: create and try every output directory before the first step.
@@ -338,9 +339,7 @@ class FaultTolerance(L.Callback):
         self.peer_timeout = peer_timeout
         self.heartbeat_interval = heartbeat_interval
         self.check_every_n_steps = check_every_n_steps
-        self._signum: Optional[int] = None
-        self._previous: dict[int, Any] = {}
-        self._installed: dict[int, Any] = {}
+        self._guard: Optional[SignalGuard] = None
         self._watch: Optional[NonFiniteWatch] = None
         self._watchdog: Optional[PeerWatchdog] = None
         self._checked: set[str] = set()
@@ -400,7 +399,7 @@ class FaultTolerance(L.Callback):
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
-        self._restore_handlers()
+        self._uninstall_guard()
 
     # ---- outputs ---------------------------------------------------------------------------
     def output_locations(self, trainer: L.Trainer, stage: str) -> list[tuple[Path, str, str]]:
@@ -447,12 +446,15 @@ class FaultTolerance(L.Callback):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == "validate":
             self._check_outputs(trainer, "validate")
+            self._install_guard(trainer, "validate")
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._check_outputs(trainer, "test")
+        self._install_guard(trainer, "test")
 
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._check_outputs(trainer, "predict")
+        self._install_guard(trainer, "predict")
 
     @staticmethod
     def _check_learning_rates(trainer: L.Trainer) -> None:
@@ -470,47 +472,79 @@ class FaultTolerance(L.Callback):
     def _handled_signals(self, trainer: L.Trainer) -> list[int]:
         env = trainer._accelerator_connector.cluster_environment
         slurm_requeue = isinstance(env, SLURMEnvironment) and env.auto_requeue
-        return [s for s in _SIGNALS if not (s == signal.SIGUSR1 and slurm_requeue)]
+        return [s for s in SIGNAL_NAMES if not (s == signal.SIGUSR1 and slurm_requeue)]
+
+    @property
+    def _signum(self) -> Optional[int]:
+        """The signal received (the first), if any."""
+        return self._guard.signum if self._guard is not None else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # After Lightning registered its own handlers (which would end the run without a checkpoint).
+        self._install_guard(trainer, "fit")
+
+    def _install_guard(self, trainer: L.Trainer, stage: str) -> None:
+        """Take the signals (after Lightning registered its own handlers, which would end the run with
+        status 0 and, in fit, without a checkpoint): one :class:`~dit_lightning.signals.SignalGuard`.
+        In ``fit`` a signal is only recorded (the run checkpoints and stops at the end of the step:
+        :meth:`_check`); in ``validate`` / ``test`` / ``predict`` the whole stage is a block of safe
+        points: it stops at the end of the batch in progress, or at the next sampling step of
+        ``GenerationMetrics`` / ``predict``. A second signal stops at once."""
         if not self.signals or threading.current_thread() is not threading.main_thread():
             return
-        self._signum = None
-        for signum in self._handled_signals(trainer):
-            self._previous[signum] = signal.getsignal(signum)
-            handler = self._make_handler(trainer)
-            signal.signal(signum, handler)
-            self._installed[signum] = handler
+        self._uninstall_guard()
+        fit = stage == "fit"
 
-    def _make_handler(self, trainer: L.Trainer) -> Any:
-        def handler(signum: int, frame: Optional[FrameType]) -> None:
-            if self._signum is not None:  # the second signal: stop now (writes in flight are atomic)
-                self._restore_handlers()
-                if signum == signal.SIGINT:
-                    raise KeyboardInterrupt
-                os.kill(os.getpid(), signum)
-                return
-            self._signum = signum
-            message = (
-                f"[rank {trainer.global_rank}] dit-lightning: {_SIGNALS.get(signum, signum)} received: finishing the "
-                "current step, then saving last.ckpt (send it again to stop at once)\n"
-            )
-            with contextlib.suppress(OSError):
-                os.write(2, message.encode())  # not print(): a handler may interrupt a print in progress
-            for proc in getattr(trainer.strategy.launcher, "procs", []) or []:  # the ranks this process started
+        def forward(signum: int) -> None:  # to the ranks this process started
+            for proc in getattr(trainer.strategy.launcher, "procs", []) or []:
                 with contextlib.suppress(Exception):
                     proc.send_signal(signum)
 
-        return handler
+        self._guard = SignalGuard(
+            f"dit-lightning {stage}",
+            self._handled_signals(trainer),
+            defer=fit,
+            notice="finishing the current step, then saving last.ckpt" if fit else "stopping at the next safe point",
+            prefix=f"[rank {trainer.global_rank}] dit-lightning" + ("" if fit else f" {stage}"),
+            on_signal=forward,
+        ).install()
+        self._guard.enter_safe_points()  # (nothing for fit's deferring guard)
 
-    def _restore_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum, handler in self._installed.items():
-            if signal.getsignal(signum) is handler:
-                signal.signal(signum, self._previous.get(signum) or signal.SIG_DFL)
-        self._installed.clear()
+    def _uninstall_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.uninstall()
+            self._guard = None
+
+    def _poll(self) -> None:
+        if self._guard is not None:
+            self._guard.poll()
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kw: Any) -> None:
+        if trainer.state.fn == "validate":
+            self._poll()
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kw: Any) -> None:
+        self._poll()
+
+    def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kw: Any) -> None:
+        self._poll()
+
+    def _end_of_stage(self, trainer: L.Trainer) -> None:
+        """The end of validate / test / predict: a signal received after the last safe point still
+        ends the command with 128 + the signal (its work is complete)."""
+        signum = self._signum
+        if signum is not None:
+            self._uninstall_guard()
+            raise SignalExit(signum, detail="it had just finished: every output is written whole")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._end_of_stage(trainer)
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._end_of_stage(trainer)
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._end_of_stage(trainer)
 
     # ---- every optimiser step ----------------------------------------------------------------
     def on_train_batch_end(
@@ -574,7 +608,7 @@ class FaultTolerance(L.Callback):
         )
 
     def _save_and_exit(self, trainer: L.Trainer, signum: int) -> None:
-        name = _SIGNALS.get(signum, f"signal {signum}")
+        name = signal_name(signum)
         cb = trainer.checkpoint_callback
         if isinstance(cb, ModelCheckpoint) and cb.dirpath:
             if cb.save_last:
@@ -589,12 +623,45 @@ class FaultTolerance(L.Callback):
             done = f"saved {path} (step {trainer.global_step}); resume with --ckpt_path last or --ckpt_path {path}"
         else:
             done = "checkpointing is off (--trainer.enable_checkpointing false): nothing was saved"
-        code = 128 + int(signum)
         if trainer.is_global_zero:
             print(f"dit-lightning fit: stopped by {name} after step {trainer.global_step}: {done}.", flush=True)
-        self._restore_handlers()
+        self._uninstall_guard()
         _leave_after_the_launcher(trainer)
-        raise SignalExit(code)
+        raise SignalExit(signum, detail=done, reported=True)
+
+    def _report_stop(self, trainer: L.Trainer, stop: SystemExit) -> None:
+        """The one line of a command a signal stopped (rank 0 prints it): what was stopped, what is
+        kept, how to resume. Lightning's own SIGTERM exit (a signal before ours were in place)
+        gets the status of a signal too, not 0."""
+        stage = str(trainer.state.fn.value if trainer.state.fn is not None else "fit")
+        if not isinstance(stop, SignalExit):
+            stop.code = 128 + int(signal.SIGTERM)
+            stop = SignalExit(int(signal.SIGTERM))
+        if not stop.detail:
+            stop.detail = self._stop_detail(trainer, stage)
+        stop.report(f"dit-lightning {stage}", show=trainer.is_global_zero)
+
+    def _stop_detail(self, trainer: L.Trainer, stage: str) -> str:
+        if stage == "fit":
+            last = self._last_good(trainer)
+            resume = "; resume with --ckpt_path last" if last.startswith("the last checkpoint") else ""
+            return f"at step {trainer.global_step}: {last}{resume}"
+        if stage == "predict":
+            where = []
+            for cb in trainer.callbacks:  # type: ignore[attr-defined]
+                locate = getattr(cb, "output_locations", None)
+                if callable(locate) and cb is not self:
+                    where += [str(directory) for directory, _, _ in locate(trainer, stage)]
+            return (
+                f"the images already in {', '.join(where) or 'the prediction directory'} are whole (each written "
+                "atomically); run the same command again for all of them (it draws the same images)"
+            )
+        what = (
+            "the held-out loss is logged once every batch is done"
+            if stage == "validate"
+            else "the metrics are logged and written once every batch and sample is done"
+        )
+        return f"nothing was logged or written ({what}); run the same command again"
 
     # ---- checkpoints -----------------------------------------------------------------------
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -629,6 +696,12 @@ class FaultTolerance(L.Callback):
 
     # ---- a rank lost -----------------------------------------------------------------------
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, (SignalExit, SIGTERMException)):
+            self._uninstall_guard()
+            if not getattr(exception, "reported", False):  # (a stop after a checkpoint reported itself)
+                self._report_stop(trainer, exception)
+                _leave_after_the_launcher(trainer)
+            return
         if isinstance(exception, (NonFiniteLossError, NonFiniteWeightsError, NotWritableError)):
             _leave_after_the_launcher(trainer)  # raised on every rank together: rank 0 reports it
             return

@@ -15,6 +15,7 @@ from ..atomic import save_torch
 from ..models.config import model_config
 from ..models.dit import DiT
 from ..sampling.schedulers import DiffusersSampler
+from ..signals import stop_point
 from .architecture import dit_config_of, export_args
 from .diffusers_export import export_diffusers, export_safetensors
 from .formats import StateDict, Weights, read_checkpoint
@@ -74,6 +75,7 @@ def export_checkpoint(
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     ckpt = read_checkpoint(checkpoint, tmp_dir=out.parent)
+    stop_point()  # read, nothing written yet: where a signal stops an export (dit_lightning.signals)
     if format == "diffusers":
         return {"format": format, **export_diffusers(ckpt, out, weights, scheduler=scheduler, store=store, vae=vae)}
     if format == "safetensors":

@@ -17,6 +17,7 @@ from ..atomic import check_writable, write_json
 from ..evaluation.digits import digits_metrics_from_samples
 from ..evaluation.fid import check_plain_npz, compute_metrics, find_inception_weights
 from ..sampling import SAMPLING_OPTION_NAMES, LabelSpec, SamplingOptions
+from ..signals import on_stop
 from .sample import Weights
 from .sample import sample as run_sampling
 
@@ -109,24 +110,29 @@ def evaluate(
     samples_dir = result["samples_dir"]
     out: dict[str, Any] = {"samples": result["npz"] or samples_dir, "reference": reference}
     image_metrics = [m for m in wanted if m != "digits"]
-    if image_metrics:
-        out.update(
-            compute_metrics(
-                samples_dir,
-                reference,
-                image_metrics,
-                inception_weights,
-                extractor,
-                antialias,
-                cache_dir,
-                image_size=image_size,
-                max_samples=num_samples,
-                max_reference=max_reference,
-                device=dev,
-            )  # fmt: skip
-        )
-    if "digits" in wanted:
-        out["digits"] = digits_metrics_from_samples(samples_dir, limit=num_samples)
+    measuring = (
+        f"all {num_samples} samples are in {samples_dir}; they were not measured yet: run the same command again "
+        "(it measures the samples on disk)"
+    )
+    with on_stop(lambda: measuring):  # a signal stops the measuring at once: nothing is written before the end
+        if image_metrics:
+            out.update(
+                compute_metrics(
+                    samples_dir,
+                    reference,
+                    image_metrics,
+                    inception_weights,
+                    extractor,
+                    antialias,
+                    cache_dir,
+                    image_size=image_size,
+                    max_samples=num_samples,
+                    max_reference=max_reference,
+                    device=dev,
+                )  # fmt: skip
+            )
+        if "digits" in wanted:
+            out["digits"] = digits_metrics_from_samples(samples_dir, limit=num_samples)
     config = json.loads((Path(output) / "sample_config.json").read_text())
     out["sampling"] = {k: config[k] for k in (*SAMPLING_OPTION_NAMES, "weights", "vae")}
     if progress:  # shown before it is written: a failing write loses nothing

@@ -8,6 +8,7 @@ from typing import Optional
 
 from ..checkpoints import ExportFormat, Weights, export_checkpoint
 from ..sampling import DiffusersSampler
+from ..signals import on_stop, safe_points
 from .output import check_new_output
 
 
@@ -49,10 +50,20 @@ def export(
             replaced only when it is an earlier diffusers export).
     """
     check_new_output(output, overwrite, directory=format == "diffusers")
-    report = export_checkpoint(
-        checkpoint, output, format=format, include_optimizer=include_optimizer, weights=weights,
-        scheduler=scheduler, store=store, vae=vae,
-    )  # fmt: skip
+    report: dict = {}
+
+    def stopped() -> str:
+        if report:
+            return f"{output} was written whole just before"
+        return f"nothing was written ({output} is written whole or not at all); run the same command again"
+
+    # A signal stops after the checkpoint is read, before anything is written; one during the
+    # writing lets it finish (the file, or a raw file and its .json, all or nothing).
+    with safe_points(), on_stop(stopped):
+        report = export_checkpoint(
+            checkpoint, output, format=format, include_optimizer=include_optimizer, weights=weights,
+            scheduler=scheduler, store=store, vae=vae,
+        )  # fmt: skip
     for note in report.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
     print(f"exported {checkpoint} -> {output} ({format} format)")

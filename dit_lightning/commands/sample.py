@@ -16,6 +16,7 @@ Layout of an output directory::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -39,6 +40,7 @@ from ..sampling import (
     parse_labels,
     sample_latents,
 )
+from ..signals import on_stop, safe_points, stop_point
 from ..vae import DEFAULT_SCALE_FACTOR, DEFAULT_VAE, decode_latents, is_pixel_space, load_vae
 
 Weights = Literal["ema", "raw"]
@@ -83,6 +85,17 @@ def _check_or_write_config(path: Path, config: dict[str, Any]) -> None:
         if old.get("num_samples", 0) >= config["num_samples"]:
             return
     write_json(path, config)
+
+
+def _stopped_note(samples_dir: Path, num_samples: int) -> str:
+    """What a signal that stopped the sampling leaves: whole samples, resumed by the same command."""
+    have = len(existing_samples(samples_dir))
+    if have >= num_samples:
+        return f"all {num_samples} samples are in {samples_dir}; run the same command again to write the grid and .npz"
+    return (
+        f"{have} of {num_samples} samples are in {samples_dir} (each written whole); run the same command again to "
+        "resume from there"
+    )
 
 
 def _log(msg: str, enabled: bool) -> None:
@@ -235,18 +248,24 @@ def sample(
         vae_model = None if pixels else load_vae(vae_name, dev)
         t0 = time.perf_counter()
         made = 0
-        for chunk in _chunks(mine, batch_size):
-            idx = torch.tensor(list(chunk), dtype=torch.long)
-            y = plan(idx)
-            latents = sample_latents(
-                net, y, idx, options=opts, noise_schedule=loaded.noise_schedule, diffusion_steps=loaded.diffusion_steps
-            )
-            images = to_uint8(decode_latents(latents, vae_model if vae_model is not None else vae_name, scale))
-            for k, (i, c) in enumerate(zip(idx.tolist(), y.tolist())):
-                save_sample(images[k], samples_dir, i, c)
-            made += len(chunk)
-            rate = made / (time.perf_counter() - t0)
-            _log(f"rank {rank}: {made}/{len(mine)} ({rate:.2f} images/s)", progress)
+        stopped_note = functools.partial(_stopped_note, samples_dir, int(num_samples))
+        # A signal stops at the next denoising step (the batch in progress is dropped) or between
+        # batches, never in the middle of writing a batch's PNGs (dit_lightning.signals).
+        with safe_points(), on_stop(stopped_note):
+            for chunk in _chunks(mine, batch_size):
+                stop_point()
+                idx = torch.tensor(list(chunk), dtype=torch.long)
+                y = plan(idx)
+                latents = sample_latents(
+                    net, y, idx, options=opts, noise_schedule=loaded.noise_schedule,
+                    diffusion_steps=loaded.diffusion_steps,
+                )  # fmt: skip
+                images = to_uint8(decode_latents(latents, vae_model if vae_model is not None else vae_name, scale))
+                for k, (i, c) in enumerate(zip(idx.tolist(), y.tolist())):
+                    save_sample(images[k], samples_dir, i, c)
+                made += len(chunk)
+                rate = made / (time.perf_counter() - t0)
+                _log(f"rank {rank}: {made}/{len(mine)} ({rate:.2f} images/s)", progress)
         elapsed = time.perf_counter() - t0
 
         dist = torch.distributed
@@ -275,10 +294,11 @@ def sample(
             return result
         result["complete"] = True
         paths = [done[i] for i in range(num_samples)]
-        result["grid"] = str(write_grid(paths[:grid_size], out / "grid.png", nrow=grid_nrow))
-        if write_npz:
-            npz = write_npz_from_pngs(paths, out / "samples.npz")
-            result["npz"] = str(npz)
+        with on_stop(stopped_note):
+            result["grid"] = str(write_grid(paths[:grid_size], out / "grid.png", nrow=grid_nrow))
+            if write_npz:
+                npz = write_npz_from_pngs(paths, out / "samples.npz")
+                result["npz"] = str(npz)
         _log(f"done in {time.perf_counter() - t_start:.1f}s: {result['npz'] or samples_dir}", progress)
         return result
     finally:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..ranks import resolve_device, resolve_rank
+from ..signals import on_stop, safe_points, stop_point
 from ..vae import load_vae
 from . import store as st
 from .preprocessing import BadImage, list_image_folder, preprocess
@@ -193,7 +194,8 @@ def extract_latents(
     vae_model = None
     if replace:
         vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))  # the last input check
-        st.remove_store(output)  # every input check passed: now the old store may go
+        with safe_points():  # a signal waits for the deletion to finish: never half a store
+            st.remove_store(output)  # every input check passed: now the old store may go
     if os.path.exists(os.path.join(output, st.PLAN_FILE)):
         # Resume: the shapes come from the plan, and the VAE is loaded only if work is left.
         old = st.load_plan(output)
@@ -236,22 +238,20 @@ def extract_latents(
     if mine:
         if vae_model is None:
             vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))
-        _encode_shards(
-            output,
-            spec,
-            image_root,
-            paths,
-            labels,
-            mine,
-            vae_model,
-            dev,
-            batch_size,
-            num_workers,
-            seed,
-            show,
-            stats,
-            label=f"{rank}/{world_size}",
-        )
+
+        def stopped() -> str:
+            have = len(st.shard_status(output, spec)[0])
+            return (
+                f"{have} of {spec.num_shards} shards of {output} are written (each whole); run the same command "
+                "again to resume from there"
+            )
+
+        # A signal stops before the next batch: the shard in progress is dropped, never half-written.
+        with safe_points(), on_stop(stopped):
+            _encode_shards(
+                output, spec, image_root, paths, labels, mine, vae_model, dev, batch_size, num_workers, seed, show,
+                stats, label=f"{rank}/{world_size}",
+            )  # fmt: skip
 
     finalized = False
     meta_count = None
@@ -346,6 +346,7 @@ def _encode_shards(
         task = bar.add_task("extract", total=total, rate="-")
         t_start = time.perf_counter()
         for batch in loader:
+            stop_point()  # (dit_lightning.signals)
             items = batch["items"]
             ok = [it for it in items if it["error"] is None]
             for it in items:

@@ -21,6 +21,7 @@ from ..diffusion import SpacedDiffusion, create_diffusion
 from ..keyed_random import keyed_normal, sample_keys
 from ..models.dit import DiT
 from ..precision import SamplingPrecision, autocast, to_dtype
+from ..signals import stop_point
 from .options import SamplingOptions, sampling_options
 from .schedulers import Sampler, check_sampler, is_diffusers_sampler, sample_with_scheduler
 
@@ -152,9 +153,14 @@ def sample_latents(
         if is_diffusers_sampler(opts.sampler)  # a diffusers scheduler, built in sample_with_scheduler
         else build_sampling_diffusion(opts.sampler, opts.num_steps, noise_schedule, diffusion_steps, net.learn_sigma)
     )
-    fn = model_fn or guided_model_fn(
+    guided = model_fn or guided_model_fn(
         net, opts.cfg_scale, opts.guide_channels, opts.precision, cfg_interval=opts.cfg_interval
     )
+
+    def fn(*args: Any, **kwargs: Any) -> Tensor:
+        stop_point()  # every denoising step is a safe point: a signal stops sampling here (dit_lightning.signals)
+        return guided(*args, **kwargs)
+
     if noise_fn is None:
         idx_dev = idx.to(device)
 

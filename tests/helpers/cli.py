@@ -96,3 +96,38 @@ class PrintStep(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         print(f"step {trainer.global_step}", flush=True)
+
+
+class SignalAt(L.Callback):
+    """Send this process ``signum`` (``times`` times in a row: a second signal too) from one hook:
+    ``hook`` is ``on_train_batch_end`` or ``on_save_checkpoint`` (once ``global_step >= step``),
+    ``on_validation_batch_end`` / ``on_test_batch_end`` / ``on_predict_batch_end`` (at batch
+    ``batch``) or ``on_test_epoch_end`` (before ``GenerationMetrics`` samples: the CLI's callbacks
+    run after those of ``--trainer.callbacks``). A real signal, delivered as from ``kill``, once."""
+
+    def __init__(self, hook: str, signum: int = int(signal.SIGTERM), times: int = 1, step: int = 0, batch: int = 0):
+        self.hook, self.signum, self.times, self.step, self.batch, self.sent = hook, signum, times, step, batch, False
+
+    def _fire(self, hook: str, ready: bool = True) -> None:
+        if hook == self.hook and ready and not self.sent:
+            self.sent = True
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._fire("on_train_batch_end", trainer.global_step >= self.step)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._fire("on_save_checkpoint", trainer.global_step >= self.step)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._fire("on_validation_batch_end", batch_idx == self.batch)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._fire("on_test_batch_end", batch_idx == self.batch)
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._fire("on_predict_batch_end", batch_idx == self.batch)
+
+    def on_test_epoch_end(self, trainer, pl_module) -> None:
+        self._fire("on_test_epoch_end")
