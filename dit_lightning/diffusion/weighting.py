@@ -13,7 +13,6 @@ Pure PyTorch + numpy.
 from __future__ import annotations
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from .gaussian_diffusion import GaussianDiffusion
@@ -35,7 +34,10 @@ def min_snr_weights(alphas_cumprod: np.ndarray, gamma: float) -> np.ndarray:
 
 
 def min_snr_weight(diffusion: GaussianDiffusion, t: Tensor, gamma: float, like: Tensor) -> Tensor:
-    """The Min-SNR-gamma weights (N,) of timesteps ``t`` of ``diffusion``, in ``like``'s dtype and device
-    (computed in float64, then rounded once)."""
-    table = torch.from_numpy(min_snr_weights(diffusion.alphas_cumprod, gamma))
-    return table[t.long().cpu()].to(device=like.device, dtype=like.dtype)
+    """The Min-SNR-gamma weights (N,) of timesteps ``t`` of ``diffusion``, in ``like``'s (N,) dtype and
+    device: the float64 table rounded once, kept per device like the diffusion's own tables (no host
+    synchronisation per step)."""
+    name = f"min_snr_weights_{float(gamma)!r}"
+    if name not in vars(diffusion):
+        setattr(diffusion, name, min_snr_weights(diffusion.alphas_cumprod, gamma))
+    return diffusion._extract(name, t, like)
