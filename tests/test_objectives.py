@@ -18,6 +18,8 @@ from tests.helpers.models import randomize
 from tests.helpers.training import TINY_MODULE as TINY
 from tests.helpers.training import DictDataset, trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def batch(n=8):
     return next(iter(DataLoader(DictDataset(n), batch_size=n)))

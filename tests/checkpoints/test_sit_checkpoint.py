@@ -22,6 +22,8 @@ from dit_lightning.module import DiTModule
 from tests.helpers.reference_forward import reference_forward
 from tests.helpers.sit_reference import sit_state_dict
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SMALL = dict(depth=2, input_size=8)  # SiT-S/2's width (384), heads (6) and patch (2)
 
 

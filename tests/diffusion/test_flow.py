@@ -11,6 +11,8 @@ from dit_lightning.diffusion import FlowMatching
 from tests.helpers import sit_reference as sit
 from tests.helpers.models import random_dit
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PATHS = {"linear": "Linear", "gvp": "GVP", "vp": "VP"}
 PREDICTIONS = ("velocity", "noise", "score")
 COMBOS = [

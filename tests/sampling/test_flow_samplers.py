@@ -13,6 +13,8 @@ from dit_lightning.sampling import SamplingOptions, initial_noise, sample_latent
 from tests.helpers import sit_reference as sit
 from tests.helpers.models import random_dit
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PATHS = {"linear": "Linear", "gvp": "GVP", "vp": "VP"}
 LABELS = torch.tensor([3, 7])
 SEED = 5
@@ -78,12 +80,12 @@ def test_ode_dopri5_matches_sit_with_guidance():
     close(ours(net, flow, "ode-dopri5", 3), theirs(net, "linear", "velocity", ode("dopri5", 3)))
     # guidance on every channel: SiT's doubled state has two equal halves, so dopri5 takes the same steps
     close(
-        ours(net, flow, "ode-dopri5", 3, cfg=4.0, atol=1e-5, rtol=1e-4),
+        ours(net, flow, "ode-dopri5", 3, cfg=4.0, atol=1e-4, rtol=1e-2),
         theirs(
             net,
             "linear",
             "velocity",
-            lambda *a, **k: sit.sample_ode(*a[:3], num_steps=3, atol=1e-5, rtol=1e-4, **k),
+            lambda *a, **k: sit.sample_ode(*a[:3], num_steps=3, atol=1e-4, rtol=1e-2, **k),
             cfg=4.0,
         ),
     )
