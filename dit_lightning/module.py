@@ -14,12 +14,19 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info
 from torch import Tensor, nn
 
 from .autofit import forget_failed_pass, free_device_memory, is_out_of_memory
-from .checkpoints import check_dit_weights, infer_dit_config, load_dit_weights, read_checkpoint, strip_prefix
-from .diffusion import create_diffusion
+from .checkpoints import (
+    check_dit_weights,
+    infer_dit_config,
+    load_dit_weights,
+    read_checkpoint,
+    sit_output_layout,
+    strip_prefix,
+)
+from .diffusion import FlowMatching, PathType, Prediction, TimeDistribution, create_diffusion, min_snr_weight
 from .diffusion.gaussian_diffusion import ModelFn
 from .distributed.ops import clip_gradients, ema_update_, grad_norm
 from .distributed.sharding import configure_sharding
@@ -27,7 +34,7 @@ from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_key
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
 from .precision import compute_dtype, grad_scaler, is_fp16, pending_grad_scale, set_tf32
-from .sampling import Sampler, SamplingOptions, sample_latents, sampling_options
+from .sampling import Sampler, SamplingOptions, is_flow_sampler, sample_latents, sampling_options
 from .schedules import WarmupDecayLR
 from .vae import DEFAULT_SCALE_FACTOR, decode_latents, is_pixel_space, load_vae
 
@@ -39,6 +46,10 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
+Objective = Literal["ddpm", "flow"]
+LossWeighting = Literal["none", "min_snr", "velocity", "likelihood"]
+# The sampler of a flow model whose ``sampler`` is left at the DDPM default: SiT's published FIDs.
+_FLOW_DEFAULT_SAMPLER: Sampler = "sde-euler"
 
 # Fixed keys so that validation sees the same timesteps and noise in every run and epoch.
 _VAL_STEP_KEY = -1
@@ -104,6 +115,24 @@ class DiTModule(L.LightningModule):
             linked from the data module.
         scale_factor: the latent scale of the store (latents = VAE output x scale); linked from
             the data module and kept in the checkpoint, so :meth:`decode` is right anywhere.
+        objective: "ddpm" (the paper's Gaussian diffusion, epsilon prediction, hybrid loss) or "flow"
+            (flow matching with SiT's stochastic interpolants; docs/recipes.md). A flow model
+            predicts no variance (``learn_sigma`` is set to false) and samples with the flow
+            samplers (a ``sampler`` left at "ddpm" becomes "sde-euler", SiT's published setting).
+        path_type: the flow's interpolant: "linear" (SiT's default, x_t = t x + (1 - t) noise),
+            "gvp" (sin / cos) or "vp" (the VP-SDE's marginals).
+        prediction: what a flow model predicts: "velocity" (SiT's default), "noise" or "score".
+        time_distribution: training times of a flow model: "uniform" (SiT) or "logit_normal"
+            (the noise level 1 - t is sigmoid(N(time_mean, time_std^2)), SD3's convention).
+        time_mean: mean of the logit-normal's normal (positive: noisier times).
+        time_std: standard deviation of the logit-normal's normal.
+        train_eps: distance of a flow model's training times from 0 and 1; unset: SiT's (0 for
+            velocity on the linear / GVP paths, else 1e-5).
+        sample_eps: the same for sampling; unset: SiT's (0, else 1e-3).
+        loss_weighting: "none" (the reference's loss); "min_snr" (DDPM: the epsilon MSE times
+            min(SNR, min_snr_gamma) / SNR, Hang et al. 2023; the variance's vb term unchanged);
+            "velocity" or "likelihood" (flow with noise or score prediction: SiT's weights).
+        min_snr_gamma: gamma of min_snr (5 in the paper).
     """
 
     def __init__(
@@ -142,10 +171,36 @@ class DiTModule(L.LightningModule):
         guide_channels: Optional[int] = None,
         vae: Optional[str] = None,
         scale_factor: Optional[float] = None,
+        objective: Objective = "ddpm",
+        path_type: PathType = "linear",
+        prediction: Prediction = "velocity",
+        time_distribution: TimeDistribution = "uniform",
+        time_mean: float = 0.0,
+        time_std: float = 1.0,
+        train_eps: Optional[float] = None,
+        sample_eps: Optional[float] = None,
+        loss_weighting: LossWeighting = "none",
+        min_snr_gamma: float = 5.0,
     ) -> None:
         super().__init__()
         # A plain list, not a tuple, so that hparams.yaml reads back with yaml.safe_load.
         latent_shape = list(latent_shape) if latent_shape is not None else [4, 32, 32]
+        self.flow: Optional[FlowMatching] = _objective(
+            objective, path_type, prediction, time_distribution, time_mean, time_std, train_eps, sample_eps,
+            loss_weighting, min_snr_gamma,
+        )  # fmt: skip
+        if self.flow is not None:  # before save_hyperparameters, so that the record says what runs
+            if learn_sigma:
+                rank_zero_info("objective flow: the network predicts no variance (model.learn_sigma set to false)")
+                learn_sigma = False
+            if not is_flow_sampler(sampler):
+                if sampler != "ddpm":
+                    raise ValueError(
+                        f"model.sampler {sampler} samples DDPM models, and objective flow trains a flow model: "
+                        "choose ode-euler, ode-heun, ode-dopri5, sde-euler or sde-heun"
+                    )
+                rank_zero_info(f"objective flow: default sampler {_FLOW_DEFAULT_SAMPLER} (model.sampler)")
+                sampler = _FLOW_DEFAULT_SAMPLER
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         if len(latent_shape) != 3 or latent_shape[1] != latent_shape[2]:
             raise ValueError(f"latent_shape must be (C, H, H) with square latents, got {latent_shape}")
@@ -186,12 +241,17 @@ class DiTModule(L.LightningModule):
                     theirs["num_classes"] + ours["num_classes"] - self.model.num_classes,
                     f"--model.init_from {init_from}",
                 )
-            load_dit_weights(self.model, initial.model, source=f"checkpoint '{init_from}'")
+            load_dit_weights(self.model, self._init_weights(initial.model), source=f"checkpoint '{init_from}'")
         if ema:
             self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
             if initial is not None and initial.ema is not None:
-                load_dit_weights(self.ema, initial.ema, source=f"EMA weights of '{init_from}'")
+                load_dit_weights(self.ema, self._init_weights(initial.ema), source=f"EMA weights of '{init_from}'")
         self._decoder_cache: dict[str, nn.Module] = {}  # a plain dict: keeps the VAE out of the state dict
+
+    def _init_weights(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``init_from``'s weights for this network: a flow model also takes SiT's layout (2C outputs,
+        the last C unused: its ``learn_sigma`` networks, the released SiT-XL-2-256x256.pt)."""
+        return sit_output_layout(sd, self.model) if self.flow is not None else sd
 
     if TYPE_CHECKING:
 
@@ -354,17 +414,26 @@ class DiTModule(L.LightningModule):
         return sdpa_kernel(kinds[backend])
 
     def diffusion_loss(self, net: ModelFn, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
-        """Per-batch mean of the hybrid loss with timesteps, noise and label dropout keyed on
-        (seed, step, sample index): independent of process layout, resumable bit-for-bit."""
+        """Per-batch mean of the objective's loss (the hybrid diffusion loss, optionally Min-SNR
+        weighted, or flow matching) with times, noise and label dropout keyed on (seed, step, sample
+        index): independent of process layout, resumable bit-for-bit."""
         x, y, index = batch["x"], batch["y"], batch["index"]
         keys = sample_keys(index.to(x.device), self.hparams.seed, step_key)
-        t = keyed_randint(keys, self.diffusion.num_timesteps, stream=_STREAM_T)
         noise = keyed_normal(keys, x.shape[1:], stream=_STREAM_NOISE).to(x.dtype)
         kwargs: dict[str, Tensor] = {"y": y}
         if train and self.hparams.class_dropout_prob > 0:
             kwargs["force_drop_ids"] = keyed_uniform(keys, (), stream=_STREAM_DROP) < self.hparams.class_dropout_prob
+        if self.flow is not None:  # the same uniform draw as the DDPM timestep's, mapped to a time in [0, 1]
+            t = self.flow.training_time(keyed_uniform(keys, (), stream=_STREAM_T))
+            with self._attention_context():
+                terms = self.flow.training_losses(net, x, noise, t, model_kwargs=kwargs)
+            return {k: v.mean() for k, v in terms.items()}
+        t = keyed_randint(keys, self.diffusion.num_timesteps, stream=_STREAM_T)
         with self._attention_context():
             terms = self.diffusion.training_losses(net, x, t, model_kwargs=kwargs, noise=noise)
+        if self.hparams.get("loss_weighting", "none") == "min_snr":  # the epsilon MSE weighted; vb as it is
+            weight = min_snr_weight(self.diffusion, t, self.hparams.min_snr_gamma, like=terms["mse"])
+            terms = {**terms, "loss": weight * terms["mse"] + terms["vb"]}
         return {k: v.mean() for k, v in terms.items()}
 
     # ---- the training step: one home for plain runs, auto-fit's back-off and distillation ----------
@@ -560,6 +629,7 @@ class DiTModule(L.LightningModule):
                 noise_schedule=hp.noise_schedule,
                 diffusion_steps=hp.diffusion_steps,
                 noise=noise,
+                flow=self.flow,
             )
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
@@ -587,6 +657,57 @@ class DiTModule(L.LightningModule):
                 self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
             )
         return decode_latents(latents, vae, scale_factor)
+
+
+def _objective(
+    objective: str,
+    path_type: str,
+    prediction: str,
+    time_distribution: str,
+    time_mean: float,
+    time_std: float,
+    train_eps: Optional[float],
+    sample_eps: Optional[float],
+    loss_weighting: str,
+    min_snr_gamma: float,
+) -> Optional[FlowMatching]:
+    """The flow-matching objective the arguments describe (None: DDPM); refuses settings of the other
+    objective, which would do nothing."""
+    if objective not in ("ddpm", "flow"):
+        raise ValueError(f"model.objective must be ddpm or flow, got {objective!r}")
+    if min_snr_gamma <= 0:
+        raise ValueError(f"model.min_snr_gamma must be positive, got {min_snr_gamma}")
+    if objective == "ddpm":
+        flow_only = {
+            "path_type": (path_type, "linear"), "prediction": (prediction, "velocity"),
+            "time_distribution": (time_distribution, "uniform"), "time_mean": (time_mean, 0.0),
+            "time_std": (time_std, 1.0), "train_eps": (train_eps, None), "sample_eps": (sample_eps, None),
+        }  # fmt: skip
+        changed = [f"model.{k} {v}" for k, (v, default) in flow_only.items() if v != default]
+        if loss_weighting in ("velocity", "likelihood"):
+            changed.append(f"model.loss_weighting {loss_weighting}")
+        if changed:
+            raise ValueError(f"{', '.join(changed)}: settings of flow matching; set model.objective flow to use them")
+        if loss_weighting not in ("none", "min_snr"):
+            raise ValueError(f"model.loss_weighting must be none or min_snr for ddpm, got {loss_weighting!r}")
+        return None
+    if loss_weighting == "min_snr":
+        raise ValueError(
+            "model.loss_weighting min_snr weights the DDPM objective's epsilon MSE; flow matching takes none, or "
+            "velocity / likelihood with noise or score prediction"
+        )
+    if time_distribution == "uniform" and (time_mean, time_std) != (0.0, 1.0):
+        raise ValueError("model.time_mean / model.time_std shape time_distribution logit_normal, not uniform")
+    return FlowMatching(
+        path_type=path_type,  # type: ignore[arg-type]  # checked by FlowMatching
+        prediction=prediction,  # type: ignore[arg-type]
+        loss_weight=loss_weighting,  # type: ignore[arg-type]
+        train_eps=train_eps,
+        sample_eps=sample_eps,
+        time_distribution=time_distribution,  # type: ignore[arg-type]
+        time_mean=float(time_mean),
+        time_std=float(time_std),
+    )
 
 
 @contextlib.contextmanager

@@ -219,3 +219,9 @@ def test_distillation_backs_off_under_auto_fit_and_follows_the_plain_trajectory(
     ]:
         for p, q in zip(a.parameters(), b.parameters()):
             assert (p - q).abs().max().item() <= 1e-6
+
+
+def test_a_teacher_of_the_other_objective_is_refused(teacher_ckpt):
+    path, _ = teacher_ckpt  # a DDPM run (its hyper-parameters record it)
+    with pytest.raises(ValueError, match="objective: student flow, teacher ddpm"):
+        DistillationModule(teacher=path, **{**SMALL, "learn_sigma": False}, objective="flow")

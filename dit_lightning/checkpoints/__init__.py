@@ -15,7 +15,10 @@ from .architecture import (
     infer_dit_config,
     load_dit,
     load_dit_weights,
+    recorded_flow,
+    recorded_objective,
     recorded_vae,
+    sit_output_layout,
 )
 from .diffusers_export import export_diffusers, export_safetensors
 from .diffusers_format import (
@@ -68,8 +71,11 @@ __all__ = [
     "optimizer_by_index",
     "read_checkpoint",
     "read_training_state",
+    "recorded_flow",
+    "recorded_objective",
     "recorded_vae",
     "save_dit",
+    "sit_output_layout",
     "strip_prefix",
     "to_diffusers_state_dict",
     "to_reference_format",

@@ -8,6 +8,13 @@ DiT-XL/2``), the recorded architecture (``args["model_config"]``, written by eve
 this project). Only a file that records nothing (a released raw state dict) is guessed: the
 named configuration with the same depth, width and patch, else ``hidden_size / 64`` heads
 (the head size of every published DiT), and :func:`dit_config_of` says so.
+
+SiT's checkpoints (github.com/willisma/SiT) are DiTs by their parameter names and shapes; what tells
+them apart is the objective, flow matching, which :func:`recorded_flow` reads from what a file
+records (this project's ``objective: flow``, or SiT's training arguments ``path_type`` /
+``prediction``). A released raw state dict records nothing: the caller says it is a flow model. Its
+networks are built with ``learn_sigma`` and use only the first C of their 2C output channels;
+:func:`sit_output_layout` gives such weights to a network with C outputs (exactly).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from ..diffusion.flow import FlowMatching
 from ..models.config import build_from_config, mlp_ratio_for
 from ..models.dit import DIT_CONFIGS, DiT, dit_config
 from .formats import DiTCheckpoint, StateDict, Weights, clean_state_dict, read_checkpoint
@@ -176,6 +184,63 @@ def load_dit_weights(model: nn.Module, sd: StateDict, source: str = "checkpoint"
     model.load_state_dict(clean_state_dict(sd), strict=True)
 
 
+def sit_output_layout(sd: StateDict, model: nn.Module) -> StateDict:
+    """``sd`` for ``model``, a flow network with C output channels, when ``sd``'s final layer has 2C
+    (SiT's ``learn_sigma`` networks, whose forward keeps the first C: the released
+    SiT-XL-2-256x256.pt): the rows of the unused channels dropped, which changes no output. Any
+    other state dict is returned as it is (and loads strictly, or not at all)."""
+    c = int(getattr(model, "in_channels", 0))
+    if getattr(model, "learn_sigma", True) or not c:
+        return sd
+    w, b = sd.get("final_layer.linear.weight"), sd.get("final_layer.linear.bias")
+    own = model.state_dict().get("final_layer.linear.weight")
+    if w is None or b is None or own is None or w.shape[0] != 2 * own.shape[0] or w.shape[1:] != own.shape[1:]:
+        return sd
+    keep = torch.arange(w.shape[0]).remainder(2 * c) < c  # features are (p, q, channel), channel fastest
+    return {**sd, "final_layer.linear.weight": w[keep], "final_layer.linear.bias": b[keep]}
+
+
+_SIT_PATHS = {"linear": "linear", "gvp": "gvp", "vp": "vp"}
+
+
+def recorded_objective(args: dict[str, Any]) -> Optional[str]:
+    """``"flow"`` or ``"ddpm"`` when a checkpoint's settings say which objective trained it, else None:
+    this project's ``objective`` (a run without it trained DDPM), SiT's training arguments
+    (``path_type`` and ``prediction``: flow), the DiT reference script's (``model: DiT-...``: DDPM)."""
+    objective = args.get("objective")
+    if objective in ("ddpm", "flow"):
+        return str(objective)
+    if isinstance(args.get("path_type"), str) and isinstance(args.get("prediction"), str):
+        return "flow"
+    if "noise_schedule" in args or "diffusion_steps" in args:  # a DiTModule run before flow matching
+        return "ddpm"
+    model = args.get("model")
+    if isinstance(model, str) and model.startswith("DiT-"):
+        return "ddpm"
+    return None
+
+
+def recorded_flow(args: dict[str, Any]) -> Optional[FlowMatching]:
+    """The flow-matching objective a checkpoint records (None: none recorded, or DDPM): from a
+    DiTModule run's hyper-parameters or SiT's training arguments (``path_type`` Linear / GVP / VP,
+    ``prediction``, ``loss_weight``, the epsilons where SiT uses them)."""
+    if recorded_objective(args) != "flow":
+        return None
+    path = str(args.get("path_type") or "linear").lower()
+    prediction = str(args.get("prediction") or "velocity").lower()
+    if path not in _SIT_PATHS:
+        raise ValueError(f"the checkpoint records flow path_type {args.get('path_type')!r}: not linear, gvp or vp")
+    weight = args.get("loss_weighting", args.get("loss_weight")) or "none"
+    stable = prediction == "velocity" and path in ("linear", "gvp")  # SiT ignores the epsilons then
+    return FlowMatching(
+        path_type=_SIT_PATHS[path],  # type: ignore[arg-type]
+        prediction=prediction,  # type: ignore[arg-type]
+        loss_weight=str(weight).lower(),  # type: ignore[arg-type]
+        train_eps=None if stable or args.get("train_eps") is None else float(args["train_eps"]),
+        sample_eps=None if stable or args.get("sample_eps") is None else float(args["sample_eps"]),
+    )
+
+
 def recorded_vae(args: dict[str, Any]) -> Optional[str]:
     """The VAE a checkpoint's settings name, the reference script's ``--vae ema|mse`` spelled out."""
     vae = args.get("vae")
@@ -214,6 +279,17 @@ class LoadedDiT:
     def vae(self) -> Optional[str]:
         """The VAE the run decoded with; the reference script's ``--vae ema|mse`` spelled out."""
         return recorded_vae(self.args)
+
+    @property
+    def objective(self) -> Optional[str]:
+        """``"flow"`` / ``"ddpm"`` where the checkpoint records it (:func:`recorded_objective`); None for a
+        file that records nothing (a released raw state dict: DiT's are DDPM, SiT's flow)."""
+        return recorded_objective(self.args)
+
+    @property
+    def flow(self) -> Optional[FlowMatching]:
+        """The flow-matching objective to sample with (``sample_latents(..., flow=...)``), or None."""
+        return recorded_flow(self.args)
 
     @property
     def scale_factor(self) -> Optional[float]:

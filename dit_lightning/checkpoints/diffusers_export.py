@@ -33,11 +33,12 @@ import torch
 from ..atomic import atomic_write, replace_directory, write_json, write_text
 from ..sampling.schedulers import DiffusersSampler, build_scheduler, can_threshold
 from ..vae import DEFAULT_SCALE_FACTOR, DEFAULT_VAE, is_pixel_space
-from .architecture import dit_config_of, export_args, recorded_vae
+from .architecture import dit_config_of, export_args, recorded_objective, recorded_vae
 from .diffusers_format import (
     INFO_FILE,
     METADATA_KEY,
     WEIGHT_FILE,
+    NotExpressibleError,
     diffusers_transformer_config,
     reference_pos_embed,
     to_diffusers_state_dict,
@@ -227,6 +228,13 @@ def export_diffusers(
     """
     import diffusers
 
+    if recorded_objective(ckpt.args) == "flow":
+        raise NotExpressibleError(
+            f"'{ckpt.path}' is a flow-matching model (objective flow): DiTPipeline samples epsilon-prediction "
+            "diffusion models with diffusers' DDPM-family schedulers, and would read its velocity as epsilon at "
+            "DDPM timesteps. Export it with --format reference, safetensors or raw, and sample it with "
+            "dit-lightning's flow samplers"
+        )
     out = Path(output)
     sd = ckpt.weights(weights)
     cfg, notes = dit_config_of(ckpt, sd)

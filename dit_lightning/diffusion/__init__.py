@@ -1,10 +1,12 @@
-"""Gaussian diffusion for DiT: schedules, hybrid loss, respacing, DDPM and DDIM samplers.
+"""Gaussian diffusion for DiT: schedules, hybrid loss, respacing, DDPM and DDIM samplers, Min-SNR
+weighting; and flow matching (SiT's stochastic interpolants, :mod:`.flow`).
 
 Pure PyTorch + numpy (no Lightning), so notebooks and other trainers can use it directly.
 """
 
 from __future__ import annotations
 
+from .flow import DiffusionForm, FlowLossWeight, FlowMatching, PathType, Prediction, TimeDistribution
 from .gaussian_diffusion import (
     GaussianDiffusion,
     LossType,
@@ -14,19 +16,29 @@ from .gaussian_diffusion import (
 )
 from .losses import approx_standard_normal_cdf, discretized_gaussian_log_likelihood, mean_flat, normal_kl
 from .respace import SpacedDiffusion, space_timesteps
+from .weighting import min_snr_weight, min_snr_weights, snr
 
 __all__ = [
+    "DiffusionForm",
+    "FlowLossWeight",
+    "FlowMatching",
     "GaussianDiffusion",
     "LossType",
     "ModelVarType",
+    "PathType",
+    "Prediction",
     "SpacedDiffusion",
+    "TimeDistribution",
     "approx_standard_normal_cdf",
     "betas_for_alpha_bar",
     "create_diffusion",
     "discretized_gaussian_log_likelihood",
     "get_named_beta_schedule",
     "mean_flat",
+    "min_snr_weight",
+    "min_snr_weights",
     "normal_kl",
+    "snr",
     "space_timesteps",
 ]
 

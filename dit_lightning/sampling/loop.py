@@ -1,5 +1,6 @@
 """The sampling loop: noise, classifier-free guidance, DDPM / DDIM steps (or a diffusers
-scheduler's, :mod:`.schedulers`). Nothing else.
+scheduler's, :mod:`.schedulers`; or, for flow-matching models, SiT's ODE / SDE samplers, :mod:`.flow`).
+Nothing else.
 
 Every random number of sample ``i`` (its initial noise, the noise of every DDPM / DDIM step) is
 a pure function of ``(seed, i, step)`` drawn with :mod:`dit_lightning.keyed_random`, not of a
@@ -17,11 +18,12 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from ..diffusion import SpacedDiffusion, create_diffusion
+from ..diffusion import FlowMatching, SpacedDiffusion, create_diffusion
 from ..keyed_random import keyed_normal, sample_keys
 from ..models.dit import DiT
 from ..precision import SamplingPrecision, autocast, to_dtype
 from ..signals import stop_point
+from .flow import check_flow_sampling, sample_flow
 from .options import SamplingOptions, sampling_options
 from .schedulers import Sampler, check_sampler, is_diffusers_sampler, sample_with_scheduler
 
@@ -116,6 +118,7 @@ def sample_latents(
     noise: Optional[Tensor] = None,
     noise_fn: Optional[Callable[[int, Tensor], Tensor]] = None,
     model_fn: Optional[Callable[..., Tensor]] = None,
+    flow: Optional[FlowMatching] = None,
     **overrides: Any,
 ) -> Tensor:
     """Latents (N, C, H, W) for ``labels``, sample ``indices[k]`` drawn from keys (seed, index).
@@ -123,7 +126,9 @@ def sample_latents(
     How: ``options`` and keyword ``overrides`` of its fields (``sampler="ddim", num_steps=50,
     cfg_scale=4.0, seed=1``; :class:`~.options.SamplingOptions`); unset ones take the library's
     defaults (DDPM-250, no guidance, no x0 clamp), a model's are ``DiTModule.sample``'s.
-    ``noise_schedule`` and ``diffusion_steps`` are the model's training process.
+    ``noise_schedule`` and ``diffusion_steps`` are the model's training process; ``flow`` the
+    flow-matching objective of a model trained with one (None: a DDPM model). A flow model takes
+    the flow samplers (``ode-euler``...; :mod:`.flow`), a DDPM model the others: each refuses the other.
 
     ``indices`` default to ``0..N-1``. ``noise`` overrides x_T; ``noise_fn(step, x)`` overrides
     the per-step noise (tests use it to replay a ``torch.Generator``). DDPM is ancestral
@@ -148,9 +153,10 @@ def sample_latents(
     shape = (net.in_channels, net.input_size, net.input_size)
     seed = opts.seed
     check_sampler(opts.sampler)
+    check_flow_sampling(opts.sampler, flow)
     diffusion = (
         None
-        if is_diffusers_sampler(opts.sampler)  # a diffusers scheduler, built in sample_with_scheduler
+        if is_diffusers_sampler(opts.sampler) or flow is not None  # built by the scheduler's / flow's loop
         else build_sampling_diffusion(opts.sampler, opts.num_steps, noise_schedule, diffusion_steps, net.learn_sigma)
     )
     guided = model_fn or guided_model_fn(
@@ -176,7 +182,9 @@ def sample_latents(
         noise=x, clip_denoised=opts.clip_denoised, model_kwargs={"y": y}, device=device, noise_fn=noise_fn
     )
     try:
-        if diffusion is None:
+        if flow is not None:
+            x = sample_flow(fn, x, y, flow, opts, noise_fn=noise_fn)
+        elif diffusion is None:
             x = sample_with_scheduler(
                 fn, x, y, idx, opts, in_channels=net.in_channels, learn_sigma=net.learn_sigma,
                 noise_schedule=noise_schedule, diffusion_steps=diffusion_steps, noise_fn=noise_fn,

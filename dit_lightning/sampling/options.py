@@ -22,8 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..diffusion.flow import DiffusionForm
 from ..precision import SamplingPrecision
 from ..vae import clip_denoised_for
+from .flow import LastStep
 from .schedulers import Sampler
 
 
@@ -40,9 +42,14 @@ class SamplingOptions:
         sampler: "ddpm" (ancestral, learned variance) or "ddim" (bit-exact with the reference);
             or a diffusers scheduler with the model's betas: "dpm++2m", "dpm++2m-karras",
             "dpm++2m-sde", "unipc", "deis", "euler", "euler-a", "diffusers-ddim",
-            "diffusers-ddpm" (docs/sampling.md). Unset: the model's, else DDPM.
-        num_steps: respaced sampling steps (for the diffusers schedulers: network evaluations);
-            unset: the model's, else 250 (the paper's).
+            "diffusers-ddpm" (docs/sampling.md). Flow-matching models (objective flow) take SiT's:
+            "ode-euler", "ode-heun", "ode-dopri5" (adaptive; atol / rtol), "sde-euler"
+            (Euler-Maruyama, SiT's published FIDs), "sde-heun" (docs/recipes.md). Unset: the
+            model's, else DDPM.
+        num_steps: respaced sampling steps (for the diffusers schedulers: network evaluations; for
+            the flow samplers: the evenly spaced times from noise to data, num_steps - 1 steps,
+            plus the SDE's last step; ode-dopri5 chooses its own steps); unset: the model's, else
+            250 (the paper's).
         cfg_scale: classifier-free guidance scale (1: none; the paper's best FID used 1.5);
             unset: the model's, else 1.
         guide_channels: guide only the first N epsilon channels; 3 reproduces the reference
@@ -56,7 +63,19 @@ class SamplingOptions:
         eta: DDIM noise (0: deterministic; ddim and diffusers-ddim).
         clip_denoised: clamp each step's x_0 estimate to [-1, 1]; unset: the store's rule, on for
             pixel stores (their data lie in [-1, 1]), off for VAE latents (unbounded; the
-            published setting).
+            published setting). The DDPM samplers only: the flow samplers have no such step
+            (as SiT) and leave it aside.
+        atol: absolute error tolerance of ode-dopri5 (SiT's default 1e-6).
+        rtol: relative error tolerance of ode-dopri5 (SiT's default 1e-3).
+        diffusion_form: the diffusion coefficient w(t) of the flow SDE samplers (noise
+            sqrt(2 w) dW): "sigma" (w = sigma(t), SiT's default), "sbdm" (the score-based
+            diffusion model's), "constant", "linear" (1 - t), "decreasing", "increasing-decreasing";
+            times diffusion_norm.
+        diffusion_norm: the scale of the flow SDE's diffusion coefficient (SiT's default 1).
+        last_step: the flow SDE's last step from 1 - last_step_size to 1: "mean" (a drift step
+            without noise, SiT's default), "tweedie" (the denoised estimate), "euler" (an ODE
+            step) or "none" (stop at 1 - sample_eps).
+        last_step_size: the length of the flow SDE's last step (SiT's default 0.04).
         precision: autocast of the DiT: "fp32", "bf16" or "fp16" (changes the images slightly).
         seed: key of every random number (the noise, the classes of labels "random"): sample i
             depends only on (seed, i).
@@ -71,6 +90,12 @@ class SamplingOptions:
     clip_denoised: Optional[bool] = None
     precision: SamplingPrecision = "fp32"
     seed: int = 0
+    atol: float = 1e-6
+    rtol: float = 1e-3
+    diffusion_form: DiffusionForm = "sigma"
+    diffusion_norm: float = 1.0
+    last_step: LastStep = "mean"
+    last_step_size: float = 0.04
 
     def __post_init__(self) -> None:
         if self.cfg_interval is not None:

@@ -31,11 +31,13 @@ import torch
 from torch import Tensor
 
 from ..keyed_random import sample_keys
+from .flow import FlowSampler
 
 if TYPE_CHECKING:  # options.py imports Sampler from here
     from .options import ResolvedSamplingOptions
 
-# The diffusion's own loops (reference parity) and diffusers' schedulers.
+# The diffusion's own loops (reference parity), diffusers' schedulers and, for flow-matching models,
+# the ODE / SDE samplers of :mod:`.flow`.
 ReferenceSampler = Literal["ddpm", "ddim"]
 DiffusersSampler = Literal[
     "dpm++2m",
@@ -48,7 +50,7 @@ DiffusersSampler = Literal[
     "diffusers-ddim",
     "diffusers-ddpm",
 ]
-Sampler = Literal[ReferenceSampler, DiffusersSampler]
+Sampler = Literal[ReferenceSampler, DiffusersSampler, FlowSampler]
 
 # sampler -> (diffusers class, settings over scheduler_config). Timestep spacing: diffusers'
 # default of each class ("linspace": from t = T-1 to 0), except DDIM/DDPM, whose default
