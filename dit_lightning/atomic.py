@@ -106,19 +106,37 @@ def _human(n: Any) -> str:
     return str(n)  # pragma: no cover
 
 
-def out_of_space(path: PathLike, cause: OSError) -> OutOfSpaceError:
-    """The error of a write of ``path`` that ran out of space: where, how much is free, the fix."""
+def out_of_space(path: PathLike, cause: OSError, creating: bool = False) -> OutOfSpaceError:
+    """The error of a write of ``path`` (``creating``: of the directory ``path``) that ran out of
+    space: where, how much is free, the fix."""
     target = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(target)
+    while directory != os.path.dirname(directory) and not os.path.isdir(directory):
+        directory = os.path.dirname(directory)  # the existing directory it would be created in
     what = "disk quota exceeded" if cause.errno == errno.EDQUOT else "no space left"
     if cause.errno == errno.EFBIG:
         what = "file too large for the file system (or the process's file size limit)"
+    name = os.path.relpath(target, directory)
+    doing = f"creating the directory {name}" if creating else f"writing {name}"
+    kept = "" if creating else f" Nothing partial was left behind: {name} and the files written before are as they were"
     return OutOfSpaceError(
         cause.errno,
-        f"{what} on {directory} while writing {os.path.basename(target)} ({_human(_free_bytes(directory))} free): "
-        "free some space there or write to another disk. Nothing partial was left behind: "
-        f"{os.path.basename(target)} and the files written before are as they were",
+        f"{what} on {directory} while {doing} ({_human(_free_bytes(directory))} free): "
+        f"free some space there or write to another disk.{kept}",
     )
+
+
+def make_directory(path: PathLike) -> Path:
+    """``os.makedirs(path, exist_ok=True)``; a full disk (a new directory needs a block) raises
+    :class:`OutOfSpaceError` naming where, as a write does."""
+    target = os.path.abspath(os.fspath(path))
+    try:
+        os.makedirs(target, exist_ok=True)
+    except OSError as e:
+        if e.errno not in _NO_SPACE:
+            raise
+        raise out_of_space(target, e, creating=True) from e
+    return Path(target)
 
 
 def check_writable(directory: PathLike, what: str = "output directory", fix: str = "") -> Path:
@@ -183,8 +201,13 @@ def atomic_open(path: PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
         raise ValueError(f"atomic_open writes whole files: mode 'wb' or 'w', got {mode!r}")
     target = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temporary_name(target), suffix=TMP_SUFFIX, dir=directory)
+    make_directory(directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=temporary_name(target), suffix=TMP_SUFFIX, dir=directory)
+    except OSError as e:  # a full directory block: no room for another entry
+        if e.errno in _NO_SPACE:
+            raise out_of_space(target, e) from e
+        raise
     try:
         with os.fdopen(fd, mode) as f:
             yield f
@@ -306,7 +329,7 @@ def staging_directory(target: PathLike) -> Path:
     removed by :func:`remove_stale_temporaries`."""
     path = os.path.abspath(os.fspath(target))
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
+    make_directory(parent)
     staging = tempfile.mkdtemp(prefix=temporary_name(path), suffix=TMP_SUFFIX, dir=parent)
     os.chmod(staging, _DIR_MODE)  # mkdtemp's 0o700 would hide an export from the rest of the team
     return Path(staging)

@@ -19,9 +19,12 @@ from torch import Tensor, nn
 
 from .autofit import forget_failed_pass, free_device_memory, is_out_of_memory
 from .checkpoints import (
+    NonFiniteWeightsError,
     check_dit_weights,
     infer_dit_config,
     load_dit_weights,
+    nonfinite_message,
+    nonfinite_tensors,
     read_checkpoint,
     sit_output_layout,
     strip_prefix,
@@ -54,6 +57,8 @@ _FLOW_DEFAULT_SAMPLER: Sampler = "sde-euler"
 # Fixed keys so that validation sees the same timesteps and noise in every run and epoch.
 _VAL_STEP_KEY = -1
 _STREAM_T, _STREAM_NOISE, _STREAM_DROP = 1, 2, 3
+# The weight sets of a Lightning checkpoint: (state-dict prefix, what a message calls them).
+_WEIGHT_SETS = (("ema.", "EMA weights"), ("model.", "trained weights"))
 
 
 def _factory_class(factory: Any) -> Any:
@@ -234,7 +239,8 @@ class DiTModule(L.LightningModule):
         initial = read_checkpoint(init_from) if init_from else None
         if initial is not None:
             # the same reading of both state dicts, so that only a real difference shows
-            theirs, ours = infer_dit_config(initial.model), infer_dit_config(self.model.state_dict())
+            theirs = infer_dit_config(initial.model, f"checkpoint '{init_from}'")
+            ours = infer_dit_config(self.model.state_dict())
             if any(theirs[k] != ours[k] for k in ("in_channels", "input_size", "num_classes")):
                 self._check_data_shape(
                     [theirs["in_channels"], theirs["input_size"], theirs["input_size"]],
@@ -274,6 +280,10 @@ class DiTModule(L.LightningModule):
             return
         sd = checkpoint["state_dict"]
         check_dit_weights(self.model, strip_prefix(sd, "model."), source="the checkpoint being resumed")
+        bad = {which: nonfinite_tensors(strip_prefix(sd, prefix)) for prefix, which in _WEIGHT_SETS}
+        if any(bad.values()):  # --ckpt_path: refused like every other reader of weights
+            path = getattr(trainer, "ckpt_path", None) if trainer is not None else None
+            raise NonFiniteWeightsError(nonfinite_message(f"checkpoint '{path}'" if path else "the checkpoint", bad))
 
     def _check_data_shape(self, latent_shape: Optional[Sequence[int]], num_classes: Optional[int], source: str) -> None:
         """A checkpoint of other latents or classes than the store's: say that the store differs

@@ -27,17 +27,30 @@ def clip_denoised_for(vae: Optional[str]) -> bool:
 
 def _check_pickled_weights(name: str) -> None:
     """A local VAE directory with pickled weights (``.bin``) only: they must load as plain tensors
-    (diffusers would say only "Unable to load weights"); safetensors hold no code at all."""
+    (diffusers would say only "Unable to load weights"); safetensors hold no code at all. A refusal
+    is one line naming the file and the fix, never torch's paragraph on ``weights_only``."""
+    import re
+    import warnings
+    import zipfile
+
     path = os.path.join(name, "diffusion_pytorch_model.bin")
     if not os.path.isfile(path) or os.path.isfile(os.path.join(name, "diffusion_pytorch_model.safetensors")):
         return
     try:
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with warnings.catch_warnings():  # a pickle of another protocol is refused below, in one line
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as e:
+        code = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if code and "Weights only load failed" in str(e):
+            why = f"names code ({code.group(1)}) that unpickling it would run: refused"
+        elif os.path.getsize(path) == 0:
+            why = "is empty (0 bytes)"
+        else:
+            why = "is not a plain weights file (a truncated file, another kind of file, or a pickle of objects)"
         raise RuntimeError(
-            f"cannot load the VAE {name!r}: {path} is not a plain weights file (torch.load(weights_only=True) refused "
-            f"it: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__}); it could run code "
-            "when unpickled. Use the VAE's safetensors weights (AutoencoderKL.save_pretrained writes them)."
+            f"cannot load the VAE {name!r}: {path} {why}. Use the VAE's safetensors weights "
+            "(AutoencoderKL.save_pretrained writes them), or copy the VAE again."
         ) from None
 
 

@@ -34,7 +34,18 @@ from .diffusers_format import (
     use_reference_timestep_embedding,
 )
 from .export import ExportFormat, export_checkpoint, save_dit, to_reference_format
-from .formats import DiTCheckpoint, StateDict, Weights, clean_state_dict, read_checkpoint, strip_prefix
+from .formats import (
+    DiTCheckpoint,
+    NonFiniteWeightsError,
+    StateDict,
+    Weights,
+    check_finite,
+    clean_state_dict,
+    nonfinite_message,
+    nonfinite_tensors,
+    read_checkpoint,
+    strip_prefix,
+)
 from .safe_load import UnsafeCheckpointError
 from .sharded import is_sharded_checkpoint, load_sharded_checkpoint, optimizer_by_index
 from .training import NotATrainingCheckpointError, TrainingState, read_training_state
@@ -43,6 +54,7 @@ __all__ = [
     "DiTCheckpoint",
     "ExportFormat",
     "LoadedDiT",
+    "NonFiniteWeightsError",
     "NotATrainingCheckpointError",
     "NotExpressibleError",
     "PixelDecoder",
@@ -51,6 +63,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "Weights",
     "check_dit_weights",
+    "check_finite",
     "clean_state_dict",
     "describe",
     "diffusers_transformer_config",
@@ -68,6 +81,8 @@ __all__ = [
     "load_dit_weights",
     "load_sharded_checkpoint",
     "name_table",
+    "nonfinite_message",
+    "nonfinite_tensors",
     "optimizer_by_index",
     "read_checkpoint",
     "read_training_state",

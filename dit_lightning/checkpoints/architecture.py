@@ -33,13 +33,14 @@ from .formats import DiTCheckpoint, StateDict, Weights, clean_state_dict, read_c
 _DESCRIBED = ("depth", "hidden_size", "patch_size", "in_channels", "input_size", "num_classes", "learn_sigma")
 
 
-def infer_dit_config(sd: StateDict) -> dict[str, Any]:
+def infer_dit_config(sd: StateDict, source: str = "the state dict") -> dict[str, Any]:
     """The constructor arguments of the DiT that produced a state dict, from the weights alone.
 
     The heads are guessed (a named configuration of the same depth, width and patch, else
     ``hidden_size // 64``; a head-pruned model with QK-norm shows its head size), and the label
     table is assumed to have a null row (``class_dropout_prob`` 0.1). :func:`dit_config_of`
-    corrects both from what a checkpoint records.
+    corrects both from what a checkpoint records. ``source`` names the weights in the error
+    raised when they are not a DiT's (e.g. ``"checkpoint 'x.pt'"``).
     """
     try:
         hidden = sd["pos_embed"].shape[-1]
@@ -50,7 +51,12 @@ def infer_dit_config(sd: StateDict) -> dict[str, Any]:
         mlp_hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
         attn_dim = sd["blocks.0.attn.qkv.weight"].shape[0] // 3
     except KeyError as e:
-        raise ValueError(f"not a DiT state dict: missing {e}") from None
+        keys = sorted(sd)
+        shown = f"its {len(keys)} tensors start {keys[:4]}" if keys else "it holds no tensors"
+        raise ValueError(
+            f"{source} is not a DiT state dict: no {e} tensor ({shown}). Pass a DiT checkpoint (one that "
+            "`dit-lightning fit`, `export` or `prune` wrote, or a released DiT-XL-2 file)."
+        ) from None
     depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
     patch, in_channels = w.shape[-1], w.shape[1]
     grid = int(round(tokens**0.5))
@@ -104,7 +110,7 @@ def dit_config_of(
     rule of this module; returns ``(config, notes)`` where the notes say what had to be guessed.
     ``num_heads`` overrides everything (for raw files of custom sizes)."""
     sd = sd if sd is not None else ckpt.model
-    cfg = infer_dit_config(sd)
+    cfg = infer_dit_config(sd, f"checkpoint '{ckpt.path}'")
     args = ckpt.args
     recorded = args.get("model_config")
     if not isinstance(recorded, dict):

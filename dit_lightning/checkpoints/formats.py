@@ -11,6 +11,10 @@
   the one rule of :mod:`.diffusers_format` (weights: safetensors, or ``.bin`` read weights-only);
 - ``.safetensors`` files: ``export --format safetensors`` (the settings in its metadata), raw
   state dicts, or a diffusers transformer's weights file next to its ``config.json``.
+
+Every set of weights read is checked to be finite (:func:`check_finite`): a checkpoint holding NaN
+or inf is refused before any work with one message that names the file and the tensor (sampling
+it would write black images, fine-tuning from it would stop at its first step).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+import torch
 from torch import Tensor
 
 StateDict = dict[str, Tensor]
@@ -75,6 +80,42 @@ class DiTCheckpoint:
         return self.ema is not None
 
 
+class NonFiniteWeightsError(ValueError):
+    """A checkpoint whose DiT weights hold NaN or inf; the message names the file and the tensor."""
+
+
+def nonfinite_tensors(sd: StateDict) -> list[str]:
+    """The names of the floating-point tensors of ``sd`` that hold a NaN or an inf, in order."""
+    return [
+        k
+        for k, v in sd.items()
+        if isinstance(v, Tensor) and v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all())
+    ]
+
+
+def nonfinite_message(source: str, bad: dict[str, list[str]]) -> str:
+    """One line for ``source`` whose weight sets ``bad`` (e.g. ``{"EMA weights": [tensor names]}``)
+    hold NaN / inf: the problem, the first tensor and the fix."""
+    sets = [which for which, names in bad.items() if names]
+    first = bad[sets[0]]
+    more = f" and {len(first) - 1} more" if len(first) > 1 else ""
+    return (
+        f"{source} holds NaN/inf in its {' and '.join(sets)} (tensor '{first[0]}'{more}): it would sample black "
+        "images and train NaN losses. Use an earlier checkpoint (the run diverged before this one was saved)."
+    )
+
+
+def check_finite(ckpt: DiTCheckpoint) -> None:
+    """Raise :class:`NonFiniteWeightsError` when a weight set of ``ckpt`` (EMA or trained) holds NaN or inf."""
+    sets: dict[str, StateDict] = {}
+    if ckpt.ema is not None and ckpt.ema is not ckpt.model:
+        sets["EMA weights"] = ckpt.ema
+    sets["trained weights" if sets else "weights"] = ckpt.model
+    bad = {which: nonfinite_tensors(sd) for which, sd in sets.items()}
+    if any(bad.values()):
+        raise NonFiniteWeightsError(nonfinite_message(f"checkpoint '{ckpt.path}'", bad))
+
+
 def _from_lightning(path: str, ckpt: dict[str, Any], fmt: Format) -> DiTCheckpoint:
     sd = clean_state_dict(ckpt["state_dict"])
     model, ema = strip_prefix(sd, "model."), strip_prefix(sd, "ema.")
@@ -91,15 +132,25 @@ def _from_lightning(path: str, ckpt: dict[str, Any], fmt: Format) -> DiTCheckpoi
     )
 
 
-def read_checkpoint(path: Union[str, Path], tmp_dir: Optional[Union[str, Path]] = None) -> DiTCheckpoint:
+def read_checkpoint(
+    path: Union[str, Path], tmp_dir: Optional[Union[str, Path]] = None, finite: bool = True
+) -> DiTCheckpoint:
     """Load any supported checkpoint file, sharded checkpoint directory or diffusers DiT.
 
     ``tmp_dir``: where a sharded directory is merged through a temporary file (default: next to it).
+    ``finite``: refuse weights holding NaN / inf (:func:`check_finite`); only ``verify``, which
+    reports them, reads such a file.
     """
+    ckpt = _read(Path(path), tmp_dir)
+    if finite:
+        check_finite(ckpt)
+    return ckpt
+
+
+def _read(path: Path, tmp_dir: Optional[Union[str, Path]]) -> DiTCheckpoint:
     from .diffusers_format import is_diffusers_checkpoint, is_safetensors_file, read_diffusers, read_safetensors
     from .sharded import is_sharded_checkpoint, load_sharded_checkpoint
 
-    path = Path(path)
     if is_sharded_checkpoint(path):
         return _from_lightning(str(path), load_sharded_checkpoint(path, tmp_dir=tmp_dir), "sharded")
     if is_diffusers_checkpoint(path):

@@ -5,7 +5,8 @@
 - :func:`load_error` turns what ``torch.load(weights_only=True)`` raises into one message: an empty
   file, a file that is not a PyTorch checkpoint (random bytes, a truncated download), or a pickle
   naming code (refused: unpickling it could run anything). It never suggests
-  ``weights_only=False``, which is how such a file would run its code.
+  ``weights_only=False``, which is how such a file would run its code. :func:`unreadable_reason`
+  says the same in a few words, for weights files that are not checkpoints (Inception's).
 - :func:`check_dcp_metadata` vets the ``.metadata`` file of a sharded checkpoint directory
   (``torch.distributed.checkpoint``), which torch itself reads with a plain ``pickle.load``:
   every class it names must be one of the checkpoint metadata's own data classes, checked by a
@@ -19,7 +20,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 # What a torch.distributed.checkpoint .metadata pickle may name: the classes of its metadata module,
 # the file system reader's record, torch's sizes / dtypes / layouts / memory formats, and paths.
@@ -40,23 +41,57 @@ class UnsafeCheckpointError(ValueError):
     """A checkpoint file names code to run when unpickled; it is refused."""
 
 
+def _size(path: Union[str, Path]) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
+def _refused_code(text: str) -> Optional[str]:
+    """The global a weights-only unpickler refused (the code a pickle names), if that is the error."""
+    blocked = re.search(r"GLOBAL ([\w.]+)", text)
+    return blocked.group(1) if "Weights only load failed" in text and blocked else None
+
+
+def _truncated(error: BaseException) -> bool:
+    text = str(error)
+    return "central directory" in text or "zip archive" in text or isinstance(error, (EOFError, pickle.UnpicklingError))
+
+
+def unreadable_reason(path: Union[str, Path], error: BaseException) -> str:
+    """What ``torch.load(weights_only=True)``'s ``error`` says about the file ``path``, as the end of
+    a sentence that starts with its name ("... is empty (0 bytes)"): never torch's paragraph, never a
+    suggestion of ``weights_only=False``. For the weights files that are not checkpoints (Inception's)."""
+    size, text = _size(path), str(error)
+    code = _refused_code(text)
+    if size == 0:
+        return "is empty (0 bytes)"
+    if code:
+        return f"names code ({code}) that unpickling it would run: refused"
+    if "Weights only load failed" in text:
+        return (
+            f"({size:,} bytes) holds more than plain tensors, or is not a PyTorch file: not loaded (it could run code)"
+        )
+    if _truncated(error):
+        return f"({size:,} bytes) is truncated or corrupt"
+    first = text.splitlines()[0] if text else ""
+    return f"({size:,} bytes) could not be read ({type(error).__name__}: {first})"
+
+
 def load_error(path: Union[str, Path], error: BaseException) -> str:
     """One message for a checkpoint that ``torch.load(weights_only=True)`` could not read."""
     path = str(path)
-    try:
-        size = os.path.getsize(path)
-    except OSError:
-        size = -1
-    text = str(error)
+    size, text = _size(path), str(error)
+    code = _refused_code(text)
     if size == 0:
         return (
             f"checkpoint '{path}' is empty (0 bytes): its write was cut short (a kill or a full disk while it "
             "was written by a tool that does not write atomically). Use another checkpoint, e.g. the previous one."
         )
-    blocked = re.search(r"GLOBAL ([\w.]+)", text)
-    if "Weights only load failed" in text and blocked:
+    if code:
         return (
-            f"checkpoint '{path}' names code ({blocked.group(1)}) that unpickling it would run: refused. Only "
+            f"checkpoint '{path}' names code ({code}) that unpickling it would run: refused. Only "
             "tensors and plain containers are loaded from checkpoints (torch.load weights_only=True). If you wrote "
             "this file yourself, save its weights as a plain state dict (torch.save(model.state_dict(), ...))."
         )
@@ -66,7 +101,7 @@ def load_error(path: Union[str, Path], error: BaseException) -> str:
             "kind of file, a truncated one, or a pickle of objects, which is not loaded (it could run code). Check "
             "the path, or copy / download the file again."
         )
-    if "central directory" in text or "zip archive" in text or isinstance(error, (EOFError, pickle.UnpicklingError)):
+    if _truncated(error):
         return (
             f"checkpoint '{path}' ({size:,} bytes) is truncated or corrupt: not a complete file written by "
             "torch.save. Copy / download it again, or use another checkpoint."

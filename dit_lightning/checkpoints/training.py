@@ -77,7 +77,7 @@ def _kind_of(path: Path) -> str:
     raises read_checkpoint's error when it is no DiT checkpoint at all."""
     from .formats import read_checkpoint
 
-    fmt = read_checkpoint(path).format  # only on this error path: the file is read again
+    fmt = read_checkpoint(path, finite=False).format  # only on this error path: the file is read again
     if fmt == "lightning":  # a state_dict without Lightning's bookkeeping (e.g. saved by hand)
         return f"a file of Lightning-style weights without a training state (no '{_VERSION}' entry)"
     return f"a {fmt} DiT checkpoint"

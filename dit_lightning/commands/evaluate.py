@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..atomic import check_writable, write_json
 from ..evaluation.digits import digits_metrics_from_samples
-from ..evaluation.fid import check_plain_npz, compute_metrics, find_inception_weights
+from ..evaluation.fid import check_plain_npz, compute_metrics, find_inception_weights, load_inception_state_dict
 from ..sampling import SAMPLING_OPTION_NAMES, LabelSpec, SamplingOptions
 from ..signals import on_stop
 from .sample import Weights
@@ -94,7 +94,7 @@ def evaluate(
         check_plain_npz(reference)  # before hours of sampling
     inception_needed = any(m in wanted for m in ("fid", "is", "kid")) and feature_extractor is None
     if inception_needed:
-        find_inception_weights(inception_weights)  # fail now, not after hours of sampling
+        load_inception_state_dict(find_inception_weights(inception_weights))  # checked now, not after hours of sampling
     check_writable(output, "output directory", "Choose another --output.")
     result = run_sampling(
         checkpoint, output, num_samples=num_samples, labels=labels, batch_size=batch_size, weights=weights, vae=vae,

@@ -28,7 +28,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import nn
 
-from ..atomic import remove_stale_temporaries, write_json
+from ..atomic import check_writable, make_directory, remove_stale_temporaries, write_json
 from ..checkpoints import load_dit
 from ..images import existing_samples, save_sample, to_uint8, write_grid, write_npz_from_pngs
 from ..ranks import join_torchrun_group, rank_indices, resolve_device, resolve_rank
@@ -182,6 +182,7 @@ def sample(
         batch_size=batch_size,
         grid_size=grid_size,
     )
+    check_writable(output, "output directory", "Choose another --output.")  # before the checkpoint is read
     # Ranks given as arguments (separate jobs, tests) need no process group: the last one to
     # finish assembles the npz. Under torchrun we join its group for a final barrier.
     explicit_rank = rank is not None and world_size is not None
@@ -212,7 +213,7 @@ def sample(
 
         out = Path(output)
         samples_dir = out / "samples"
-        samples_dir.mkdir(parents=True, exist_ok=True)
+        make_directory(samples_dir)
         config = {
             "checkpoint": str(checkpoint),
             "weights_fingerprint": weights_fingerprint(net),

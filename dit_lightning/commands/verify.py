@@ -21,15 +21,16 @@ class VerificationError(ValueError):
 
 
 def _verify_checkpoint(path: str) -> tuple[list[str], str]:
-    from ..checkpoints import read_checkpoint
+    from ..checkpoints import nonfinite_tensors, read_checkpoint
 
-    ckpt = read_checkpoint(path)  # weights_only: refuses what is not plain tensors and containers
+    # weights_only: refuses what is not plain tensors and containers; non-finite weights are reported below
+    ckpt = read_checkpoint(path, finite=False)
     problems = []
     parts: dict[str, Any] = {"model": ckpt.model}
     if ckpt.ema is not None and ckpt.ema is not ckpt.model:
         parts["ema"] = ckpt.ema
     for part, sd in parts.items():
-        bad = [k for k, v in sd.items() if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]
+        bad = nonfinite_tensors(sd)
         if bad:
             problems.append(
                 f"{path}: the {part} weights hold NaN or inf in {len(bad)} tensors (e.g. {bad[0]}): the run diverged "

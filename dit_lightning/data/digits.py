@@ -81,8 +81,8 @@ def prepare_digits(output: str, size: int = 8, overwrite: bool = False) -> str:
             return output
         if not overwrite:
             raise st.StoreError(
-                f"{output} exists but is not a digits store of size {size}; "
-                "pass overwrite=True (prepare_digits) or choose another path"
+                f"{output} exists but is not a digits store of size {size}: choose another path, or replace it "
+                f"with `dit-lightning prepare-digits --output {output} --size {size} --overwrite true`"
             )
         # Only a store this project wrote is ever replaced, and never a directory holding the input.
         st.check_removable_store(output)

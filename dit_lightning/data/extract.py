@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
+from ..atomic import check_writable
 from ..ranks import resolve_device, resolve_rank
 from ..signals import on_stop, safe_points, stop_point
 from ..vae import load_vae
@@ -173,10 +174,11 @@ def extract_latents(
             f"--output {output} lies inside --image_root {os.path.abspath(image_root)}: the store would be read as "
             "images of a class; write it outside the image folder"
         )
+    check_writable(output, "output directory", "Choose another --output.")  # before any image is read
     replace = overwrite and os.path.exists(output)
     if replace:
         if world_size > 1:
-            raise ValueError("overwrite=True with several processes would race; delete the output once, first")
+            raise ValueError("--overwrite true with several processes would race; delete the output once, first")
         st.check_removable_store(output)  # before any work: refuse what is not provably a store
 
     paths, labels, classes = list_image_folder(image_root)

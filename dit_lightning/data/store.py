@@ -28,7 +28,7 @@ from typing import Any, Literal, Optional, Union
 
 import numpy as np
 
-from ..atomic import save_npy, write_bytes, write_json
+from ..atomic import make_directory, save_npy, write_bytes, write_json
 
 FORMAT_NAME = "dit-lightning-latent-store"
 FORMAT_VERSION = 1
@@ -155,10 +155,10 @@ def write_plan(root: PathLike, spec: StoreSpec) -> StoreSpec:
             diff = {k: (v, spec.to_json()[k]) for k, v in old.to_json().items() if spec.to_json().get(k) != v}
             raise StoreError(
                 f"{root} already holds a store planned with other settings ({_describe_diff(diff)}). "
-                "Resume with the original settings, pick a new output directory, or pass overwrite=True."
+                "Resume with the original settings, choose another --output, or replace it with --overwrite true."
             )
         return old
-    os.makedirs(os.path.join(root, SHARD_DIR), exist_ok=True)
+    make_directory(os.path.join(root, SHARD_DIR))
     write_json(path, {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **spec.to_json()}, indent=1)
     return spec
 
@@ -323,7 +323,15 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
         )
     labels = []
     for k in range(spec.num_shards):
-        labels.append(np.load(_shard_paths(root, k)[1]))
+        shard_labels = np.load(_shard_paths(root, k)[1])
+        if len(shard_labels) and (shard_labels.min() < 0 or shard_labels.max() >= len(spec.class_names)):
+            files = ", ".join(os.path.basename(f) for f in _shard_paths(root, k))
+            raise StoreError(
+                f"shard {k} of {root} holds labels outside the store's {len(spec.class_names)} classes: it is corrupt; "
+                f"delete its files ({files} in {os.path.join(root, SHARD_DIR)}) and rerun the same "
+                "`dit-lightning extract` command to rewrite it"
+            )
+        labels.append(shard_labels)
     all_labels = np.concatenate(labels).astype(np.int32) if labels else np.zeros(0, np.int32)
     save_npy(os.path.join(root, LABELS_FILE), all_labels)
     write_bytes(os.path.join(root, SOURCES_FILE), "".join(s + "\n" for r in records for s in r["sources"]).encode())
@@ -456,8 +464,12 @@ class LatentStore:
             raise StoreError(
                 f"{labels_path} holds {labels.shape} labels for {len(self)} samples; {_refinalize(self.path)}"
             )
-        if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
-            raise StoreError(f"{labels_path}: labels outside [0, {self.num_classes}); the store is corrupt")
+        bad = np.flatnonzero((labels < 0) | (labels >= self.num_classes)) if len(labels) else labels[:0]
+        if len(bad):
+            raise StoreError(
+                f"{labels_path} holds {len(bad)} labels outside the store's {self.num_classes} classes (sample "
+                f"{int(bad[0])}: label {int(labels[bad[0]])}): the file is corrupt; {_refinalize(self.path)}"
+            )
         self.labels: np.ndarray = labels.astype(np.int64)
         self._maps: dict[int, np.ndarray] = {}
 

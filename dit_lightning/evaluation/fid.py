@@ -85,37 +85,82 @@ def find_inception_weights(path: Optional[str] = None) -> str:
 
 # torch hub's convention: the name of a weights file ends with the first hex digits of its sha256
 _HASH_IN_NAME = re.compile(r"-([0-9a-f]{8,64})\.pth?$")
+_PUBLISHED_SHA256_PREFIX = "6726825d"  # of the published file, under both of its names
+
+
+def _inception_layout() -> dict[str, tuple[int, ...]]:
+    """The name and shape of every tensor of torch-fidelity's InceptionV3 (built on the meta device:
+    nothing is allocated, and nothing is loaded into it)."""
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+    class _Layout(FeatureExtractorInceptionV3):
+        def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # the layout only
+            return None
+
+    with tempfile.TemporaryDirectory() as tmp:
+        empty = os.path.join(tmp, "empty.pth")
+        torch.save({}, empty)  # what the constructor reads: this empty dict, written here
+        with torch.device("meta"):
+            net = _Layout("inception-v3-compat", ["2048"], empty)
+    return {k: tuple(v.shape) for k, v in net.state_dict().items()}
+
+
+def _fix() -> str:
+    return (
+        f"download the published file (wget {INCEPTION_WEIGHTS_URL}) and pass it with --inception_weights "
+        "(test: --evaluation.inception_weights)"
+    )
 
 
 def load_inception_state_dict(path: str) -> dict[str, Tensor]:
-    """The InceptionV3 weights of ``path``, read without running code from the file.
+    """The InceptionV3 weights of ``path``, read without running code from the file, checked
+    before any sampling (``evaluate``, ``test``) and before any third-party code sees them.
 
-    ``torch.load(weights_only=True)`` accepts tensors and containers only, and where the file name
-    carries a published hash (``...-6726825d.pth``) the file's sha256 must start with it. Only then
-    does any third-party code (torch-fidelity, which unpickles with ``weights_only=False``) see the
-    weights, and it sees them through a file this function's caller wrote from the checked tensors.
+    ``torch.load(weights_only=True)`` accepts tensors and containers only; where the file name
+    carries a published hash (``...-6726825d.pth``) the file's sha256 must start with it; and
+    unless its sha256 is the published file's, every tensor of torch-fidelity's InceptionV3 must be
+    there with its shape, and nothing else. Each refusal is one line naming the file and the fix.
+    torch-fidelity (which unpickles with ``weights_only=False``) then reads a file written from
+    the checked tensors.
     """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    sha256 = digest.hexdigest()
     match = _HASH_IN_NAME.search(os.path.basename(path))
-    if match:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                digest.update(chunk)
-        if not digest.hexdigest().startswith(match.group(1)):
-            raise ValueError(
-                f"{path}: its sha256 ({digest.hexdigest()[:12]}...) does not match the hash in its name "
-                f"({match.group(1)}): the file is corrupt or not the published one; download it again from "
-                f"{INCEPTION_WEIGHTS_URL}"
-            )
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
+    if match and not sha256.startswith(match.group(1)):
         raise ValueError(
-            f"{path} is not a plain InceptionV3 weights file: torch.load(weights_only=True) refused it ({e}). "
-            f"It may run code when unpickled; download the published file again from {INCEPTION_WEIGHTS_URL}"
-        ) from None
+            f"the InceptionV3 weights file {path} is corrupt or not the published one: its sha256 ({sha256[:12]}...) "
+            f"does not match the hash in its name ({match.group(1)}); {_fix()}"
+        )
+    from ..checkpoints.safe_load import unreadable_reason
+
+    try:
+        with warnings.catch_warnings():  # a pickle of another protocol is refused below, in one line
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"the InceptionV3 weights file {path} {unreadable_reason(path, e)}; {_fix()}") from None
     if not isinstance(state, dict) or not state or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"{path} does not hold an InceptionV3 state dict (a mapping of names to tensors)")
+        raise ValueError(
+            f"the InceptionV3 weights file {path} holds a {type(state).__name__}, not a state dict of tensors; {_fix()}"
+        )
+    if not sha256.startswith(_PUBLISHED_SHA256_PREFIX):
+        layout = _inception_layout()
+        missing = [k for k in layout if k not in state]
+        unexpected = [k for k in state if k not in layout]
+        wrong = [k for k in layout if k in state and tuple(state[k].shape) != layout[k]]
+        if missing or unexpected or wrong:
+            found = "; ".join(
+                f"{what} {len(keys)} (e.g. '{keys[0]}')"
+                for what, keys in (("missing", missing), ("unexpected", unexpected), ("of another shape", wrong))
+                if keys
+            )
+            raise ValueError(
+                f"the InceptionV3 weights file {path} is not the InceptionV3 of FID (torch-fidelity's 2015-12-05 "
+                f"network, {len(layout)} tensors): tensors {found}; {_fix()}"
+            )
     return state
 
 

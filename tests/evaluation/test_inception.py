@@ -50,9 +50,22 @@ def test_a_tampered_weights_file_runs_no_code(tmp_path, monkeypatch):
     evil = tmp_path / "weights-inception.pth"
     with open(evil, "wb") as f:
         pickle.dump({"fc.weight": _RunsCode()}, f)
-    with pytest.raises(ValueError, match="weights_only=True"):
+    with pytest.raises(ValueError, match="not loaded") as e:
         InceptionFeatures(str(evil))
+    assert str(evil) in str(e.value) and "weights_only=False" not in str(e.value) and "\n" not in str(e.value)
     assert not marker.exists()
+
+
+def test_a_file_of_other_tensors_is_refused_in_one_line_naming_it(tmp_path):
+    """torch-fidelity's strict load listed every one of the 566 missing keys (17 kB), after sampling."""
+    other = tmp_path / "inception.pth"
+    torch.save({"conv.weight": torch.zeros(3, 3), "fc.weight": torch.zeros(2)}, other)
+    with pytest.raises(ValueError) as e:
+        InceptionFeatures(str(other))
+    message = str(e.value)
+    assert message.startswith(f"the InceptionV3 weights file {other} is not the InceptionV3 of FID"), message
+    assert "missing 565 (e.g. 'Conv2d_1a_3x3.conv.weight')" in message and "of another shape 1" in message
+    assert "wget https://" in message and "\n" not in message and len(message) < 600
 
 
 def test_a_file_whose_content_does_not_match_the_hash_in_its_name_is_refused(weights, tmp_path):

@@ -6,16 +6,23 @@ Files opened for writing under ``DIR`` (through ``open``, ``io.open`` or ``os.fd
 what every writer of the project and of torch / numpy / PIL uses on Python file objects) fill a
 disk that has room for ``FILES`` complete files: the next file gets ``BYTES`` (default 64 KiB)
 written, then its ``write`` raises ``OSError(ENOSPC)`` as the kernel would, and so does every later
-write under ``DIR``: the disk stays full.
+write under ``DIR``: the disk stays full. Once it is full, creating a directory under ``DIR``
+(``os.mkdir``, under ``os.makedirs`` and ``tempfile.mkdtemp``) fails with ``ENOSPC`` too, as a new
+directory needs a block; an empty file can still be created.
+
+In a test, ``with full_disk(DIR, FILES, BYTES): main([...])`` does the same in this process (and
+puts everything back afterwards).
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import io
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 _PARTIAL = 64 * 1024
@@ -87,9 +94,28 @@ def install(root: str, files: int, room: int = _PARTIAL) -> None:
             return f
         return _FullDiskFile(f, disk) if writing(mode) and disk.covers(path) else f
 
+    real_mkdir = os.mkdir
+
+    def patched_mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        if disk.full and disk.covers(os.fsdecode(path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fsdecode(path))
+        real_mkdir(path, *args, **kwargs)
+
     builtins.open = patched_open
     io.open = patched_open
     os.fdopen = patched_fdopen
+    os.mkdir = patched_mkdir
+
+
+@contextlib.contextmanager
+def full_disk(root: str, files: int, room: int = _PARTIAL) -> Iterator[None]:
+    """:func:`install` for the block only (in-process tests)."""
+    saved = builtins.open, io.open, os.fdopen, os.mkdir
+    install(root, files, room)
+    try:
+        yield
+    finally:
+        builtins.open, io.open, os.fdopen, os.mkdir = saved
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ subprocess)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -237,3 +238,76 @@ def test_verify_finds_nan_in_a_store(tmp_path, capsys):
     del shard
     code, _, err = call(["verify", "--path", str(path), "--checksums", "false"], capsys)
     assert code == 1 and "shard-00001.npy holds 1 non-finite values" in err and "its sample 3" in err
+
+
+def test_labels_out_of_range_give_the_repair_command(digits_copy, capsys):
+    """ "labels outside [0, 10); the store is corrupt" named no way out."""
+    labels = np.load(digits_copy / st.LABELS_FILE)
+    labels[7] = 12
+    np.save(digits_copy / st.LABELS_FILE, labels)
+    code, _, err = call(["fit", "--config", DEMO, *TINY, "--data.path", str(digits_copy)], capsys)
+    repair = f"dit-lightning extract --output {digits_copy} --finalize_only true"
+    first = err.splitlines()[0]
+    assert code == 1 and "labels outside the store's 10 classes (sample 7: label 12)" in first and repair in first, err
+    one_message(err)
+    code, _, err = call(repair.split()[1:], capsys)  # the repair: labels.npy again from the shards
+    assert code == 0, err
+    code, out, _ = call(["verify", "--path", str(digits_copy)], capsys)
+    assert code == 0 and "ok" in out
+    # a shard's own labels corrupt: the repair says so, with its own fix
+    shard_labels = digits_copy / "shards" / "shard-00001.labels.npy"
+    np.save(shard_labels, np.full_like(np.load(shard_labels), 99))
+    code, _, err = call(repair.split()[1:], capsys)
+    assert code == 1 and "shard 1 of" in err and "shard-00001.labels.npy" in err and "rerun the same" in err, err
+
+
+def test_cli_users_are_told_the_flag_not_the_python_argument(digits, tmp_path, capsys):
+    """ "pass overwrite=True" is Python; on the command line it is `--overwrite true`."""
+    code, _, err = call(["prepare-digits", "--output", str(digits), "--size", "16"], capsys)
+    assert code == 1 and "--overwrite true" in err and "overwrite=True" not in err, err
+    spec = st.StoreSpec(
+        latent_shape=(4, 4, 4), dtype="float16", variant="moments", flips=False, scale_factor=0.18215, vae="v",
+        image_size=32, class_names=("a",), source="images", num_items=1, shard_size=1,
+    )  # fmt: skip
+    st.write_plan(tmp_path / "store", spec)  # what `extract` runs: a second extract with other settings
+    with pytest.raises(st.StoreError, match="--overwrite true") as e:
+        st.write_plan(tmp_path / "store", dataclasses.replace(spec, shard_size=2))
+    assert "overwrite=True" not in str(e.value)
+
+
+def test_sample_and_extract_refuse_an_unwritable_output_like_export(trained, tmp_path, capsys):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a directory should be")
+    images = tmp_path / "images"
+    (images / "a").mkdir(parents=True)
+    runs = {
+        "export": ["export", "--checkpoint", str(trained), "--output", str(blocker / "x" / "dit.pt")],
+        "sample": ["sample", "--checkpoint", str(trained), "--output", str(blocker / "x"), "--num_samples", "1"],
+        "extract": ["extract", "--image_root", str(images), "--output", str(blocker / "x"), "--vae", "none"],
+    }
+    for name, args in runs.items():
+        code, _, err = call(args, capsys)
+        line = err.splitlines()[0]
+        assert code == 1 and "cannot write the output directory" in line and f"{blocker} is a file" in line, err
+        assert line.endswith("Choose another --output."), (name, err)
+    assert blocker.read_text() == "a file where a directory should be"
+
+
+def test_a_full_disk_during_extract_reads_as_one(tmp_path, capsys):
+    from tests.helpers.full_disk import full_disk
+
+    images, disk = tmp_path / "images", tmp_path / "disk"
+    make_image_folder(str(images), with_bad=False)
+    disk.mkdir()
+    base = ["extract", "--image_root", str(images), "--vae", make_tiny_vae(str(tmp_path / "vae")),
+            "--image_size", "32", "--num_workers", "0", "--shard_size", "2", "--progress", "false"]  # fmt: skip
+    with full_disk(str(disk), 3, 10):  # room for the plan and shard 0's data and labels
+        code, _, err = call([*base, "--output", str(disk / "a")], capsys)
+        assert code == 1 and f"no space left on {disk / 'a' / 'shards'} while writing shard-00000.json" in err, err
+        one_message(err)
+        # the disk stays full: a new store cannot even get its directory
+        code, _, err = call([*base, "--output", str(disk / "b")], capsys)
+        assert code == 1 and f"no space left on {disk} while creating the directory b" in err, err
+        assert "[Errno 28]" not in err.splitlines()[0]
+    assert not [p for p in (disk / "a").rglob("*") if p.name.endswith(".tmp")]  # nothing partial
+    assert not (disk / "a" / "shards" / "shard-00000.json").exists()
