@@ -4,9 +4,9 @@ the second at once, exit 128 + signal, one line saying what is kept; nothing wit
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
+import threading
 
 import pytest
 
@@ -14,7 +14,13 @@ from dit_lightning.signals import NOTHING_PARTIAL, SignalExit, SignalGuard, acti
 
 
 def kill(signum: int = signal.SIGTERM) -> None:
-    os.kill(os.getpid(), signum)  # delivered (and handled) before os.kill returns
+    # To the main thread itself: with os.kill a thread left by an earlier test (torch, a loader) could
+    # receive it, and the main thread would notice a bytecode or two later (flaky in a full run). A
+    # signal a thread sends itself is delivered before pthread_kill returns; Python runs the handler
+    # at its next check, which the loop's backward jumps make happen here.
+    signal.pthread_kill(threading.main_thread().ident or 0, signum)
+    for _ in range(100):
+        pass
 
 
 def test_outside_a_block_the_first_signal_stops_at_once_and_the_handlers_come_back(capsys):
