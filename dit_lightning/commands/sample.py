@@ -259,7 +259,7 @@ def sample(
                 y = plan(idx)
                 latents = sample_latents(
                     net, y, idx, options=opts, noise_schedule=loaded.noise_schedule,
-                    diffusion_steps=loaded.diffusion_steps,
+                    diffusion_steps=loaded.diffusion_steps, flow=loaded.flow,  # a flow model samples as one
                 )  # fmt: skip
                 images = to_uint8(decode_latents(latents, vae_model if vae_model is not None else vae_name, scale))
                 for k, (i, c) in enumerate(zip(idx.tolist(), y.tolist())):
