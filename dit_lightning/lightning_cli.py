@@ -11,9 +11,11 @@ every standard Lightning knob working, and one directory per run.
   ``progress_bar.*``); ``--trainer.enable_checkpointing false`` / ``enable_progress_bar false``,
   or another progress bar in ``trainer.callbacks``, turn the defaults off.
 - Each ``fit`` is a run directory of the logger (``outputs/demo/version_N`` with its checkpoints,
-  config, samples and logs); ``outputs/demo/last.ckpt`` links the newest run's last checkpoint and
-  ``--ckpt_path last`` reads it. Resuming a run's checkpoint continues in that run's directory;
-  ``validate`` / ``test`` / ``predict`` of it log there too, at the checkpoint's step.
+  config, samples and logs), named with its last checkpoint when the fit ends;
+  ``outputs/demo/last.ckpt`` links the last checkpoint of the newest run that has saved one (only a
+  write moves it) and ``--ckpt_path last`` reads it, saying which run and step it found. Resuming a
+  run's checkpoint continues in that run's directory; ``validate`` / ``test`` / ``predict`` of it
+  log there too, at the checkpoint's step.
 - ``--ckpt_path`` takes the architecture and settings the checkpoint was trained with for
   whatever the configs and the command line leave unset: settings given explicitly win.
 """
@@ -33,6 +35,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .autofit import AutoFitConfig
 from .callbacks.checkpoint import LATEST, DiTModelCheckpoint, newest_run_checkpoint, run_directory_of
@@ -55,6 +58,12 @@ _EVAL = ("validate", "test", "predict")
 
 def _store_vae(data: LatentDataModule) -> str:
     return data.spec.vae
+
+
+def _shown(path: Union[str, Path]) -> str:
+    """A path as a user would type it: relative to the working directory when inside it."""
+    relative = os.path.relpath(path)
+    return str(path) if relative.startswith("..") else relative
 
 
 def _quiet_third_party() -> None:
@@ -163,7 +172,7 @@ class DiTCLI(LightningCLI):
         if not subcommand:
             return
         sub = self.config[subcommand]
-        ckpt_path = sub.get("ckpt_path")
+        ckpt_path = sub_ckpt_path = sub.get("ckpt_path")
         root = self._logger_root(sub)
         if ckpt_path == "last":
             found = newest_run_checkpoint(root) if root is not None else None
@@ -188,6 +197,9 @@ class DiTCLI(LightningCLI):
         self._continue_run(sub, subcommand, ckpt_path, root)
         state = self._training_state(ckpt_path)
         self._resumed_step = state.step  # names the config record of a resumed run
+        if sub_ckpt_path == "last":  # the link is shared by every run of the config: say which one it found
+            run = run_directory_of(ckpt_path, root) if root is not None else None
+            rank_zero_info(f"--ckpt_path last: {f'run {run}, ' if run else ''}step {state.step} ({_shown(ckpt_path)})")
         hparams = self._checkpoint_hparams(state)
         if hparams:
             # defaults < the checkpoint's settings < configs and command line (in their order)
@@ -300,6 +312,17 @@ class DiTCLI(LightningCLI):
         if self.subcommand == "fit" and getattr(self, "_resumed_run", None) is not None:
             name = f"config-resumed-from-step-{getattr(self, '_resumed_step', 0)}.yaml"
         self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": name, "overwrite": True}
+
+    def after_fit(self) -> None:
+        """Name the run and its last checkpoint: the path that reads this run, whatever another run
+        does to the shared ``last.ckpt`` link."""
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        run = trainer.log_dir or trainer.default_root_dir
+        last = getattr(trainer.checkpoint_callback, "last_model_path", "")
+        saved = f"last checkpoint {_shown(last)}" if last and os.path.exists(last) else "no checkpoint saved"
+        print(f"fit: run {_shown(run)} ended at step {trainer.global_step}; {saved}", flush=True)
 
     def _explicit_settings(self) -> dict[str, Any]:
         """The levers auto-fit must keep: those the configs or the command line set (defaults excluded)."""
