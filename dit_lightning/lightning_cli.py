@@ -16,6 +16,9 @@ every standard Lightning knob working, and one directory per run.
   write moves it) and ``--ckpt_path last`` reads it, saying which run and step it found. Resuming a
   run's checkpoint continues in that run's directory; ``validate`` / ``test`` / ``predict`` of it
   log there too, at the checkpoint's step.
+- Errors a class raises while it is built (a model setting that does not work, a bad ``init_from``)
+  are reported as themselves, without jsonargparse's wrapping of the ``model`` union; options are
+  never abbreviated.
 - ``--ckpt_path`` takes the architecture and settings the checkpoint was trained with for
   whatever the configs and the command line leave unset: settings given explicitly win.
 """
@@ -30,6 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from jsonargparse import ArgumentError
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
@@ -64,6 +68,19 @@ def _shown(path: Union[str, Path]) -> str:
     """A path as a user would type it: relative to the working directory when inside it."""
     relative = os.path.relpath(path)
     return str(path) if relative.startswith("..") else relative
+
+
+# How jsonargparse wraps what a class raised while it was built (the model is a union with None).
+_WRAPPERS = ("Does not validate against any of the Union subtypes", "Problem with given class_path")
+
+
+def _raised_by_the_class(error: BaseException) -> BaseException:
+    """The error a class raised in ``__init__`` (a model setting that does not work, a bad
+    ``init_from``...) out of jsonargparse's wrappers, which repeat it among the subtypes' errors
+    followed by the whole configuration."""
+    while error.__cause__ is not None and str(error).startswith(_WRAPPERS):
+        error = error.__cause__
+    return error
 
 
 def _quiet_third_party() -> None:
@@ -148,7 +165,12 @@ class DiTCLI(LightningCLI):
     # ---- --ckpt_path ------------------------------------------------------------------------
     def parse_arguments(self, parser: Any, args: Any) -> None:
         self._args = list(args) if args is not None else sys.argv[1:]
-        super().parse_arguments(parser, args)
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as e:  # the subcommand's options, for the CLI's "did you mean"
+            subcommand = self._args[0] if self._args else ""
+            e.parser = self._subcommand_parsers.get(subcommand, parser)  # type: ignore[attr-defined]
+            raise
 
     def _logger_root(self, subconfig: Any) -> Optional[Path]:
         """``save_dir/name`` of the first configured logger with directories (TensorBoard, CSV...)."""
@@ -313,6 +335,15 @@ class DiTCLI(LightningCLI):
             name = f"config-resumed-from-step-{getattr(self, '_resumed_step', 0)}.yaml"
         self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": name, "overwrite": True}
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as e:
+            error = _raised_by_the_class(e)
+            if error is e:
+                raise
+            raise error from error.__cause__  # its own cause stays; the wrappers go
+
     def after_fit(self) -> None:
         """Name the run and its last checkpoint: the path that reads this run, whatever another run
         does to the shared ``last.ckpt`` link."""
@@ -394,6 +425,6 @@ def run_lightning_cli(args: list[str]) -> None:
         subclass_mode_model=True,  # DiTModule or a subclass (dit_lightning.distill.DistillationModule)
         save_config_callback=ConfigLogger,
         auto_configure_optimizers=False,  # optimiser and schedule are the model's arguments
-        parser_kwargs={"exit_on_error": False},
+        parser_kwargs={"exit_on_error": False, "allow_abbrev": False},  # --trainer.max_step is not max_steps
         args=args,
     )
