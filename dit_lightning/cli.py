@@ -20,7 +20,7 @@ from .commands import TOOLS, tool
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 DEBUG_ENV = "DIT_LIGHTNING_DEBUG"
-# Flags that read better without a value on the command line.
+# Flags that read better without a value on the command line (`plan --fit`; `plan --fit true` as well).
 _FLAG_ALIASES = {"plan": {"--fit": "--fit=true", "--json": "--format=json"}}
 # Where the model's options are listed (`fit --help` shows only its class; --model.help needs a dotted path).
 _MODEL_HELP = "--model.help dit_lightning.module.DiTModule"
@@ -94,6 +94,15 @@ def _join_negative_values(args: list[str]) -> list[str]:
         else:
             out.append(a)
     return out
+
+
+def _with_aliases(command: str, args: list[str]) -> list[str]:
+    """``plan --fit`` -> ``--fit=true``, unless a value follows (``plan --fit true``)."""
+    aliases = _FLAG_ALIASES.get(command, {})
+    return [
+        aliases[a] if a in aliases and (i + 1 == len(args) or args[i + 1].startswith("-")) else a
+        for i, a in enumerate(args)
+    ]
 
 
 def _closest(given: str, options: list[str]) -> Optional[str]:
@@ -170,8 +179,7 @@ def _run(args: list[str]) -> None:
         options: dict = {"as_positional": False, "prog": f"dit-lightning {command}", "exit_on_error": False}
         options["allow_abbrev"] = False  # --num_step is not --num_steps: refused, with the option it abbreviates
         try:
-            aliases = _FLAG_ALIASES.get(command, {})
-            CLI(tool(command), args=[aliases.get(a, a) for a in args[1:]], **options)
+            CLI(tool(command), args=_with_aliases(command, args[1:]), **options)
         except ArgumentError as e:
             e.parser = auto_parser(tool(command), **options)  # type: ignore[attr-defined]  # for "did you mean"
             raise

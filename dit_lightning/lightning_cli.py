@@ -18,7 +18,7 @@ every standard Lightning knob working, and one directory per run.
   log there too, at the checkpoint's step.
 - Errors a class raises while it is built (a model setting that does not work, a bad ``init_from``)
   are reported as themselves, without jsonargparse's wrapping of the ``model`` union; options are
-  never abbreviated.
+  never abbreviated; a GPU accelerator on a machine without one is refused before anything is built.
 - ``--ckpt_path`` takes the architecture and settings the checkpoint was trained with for
   whatever the configs and the command line leave unset: settings given explicitly win.
 """
@@ -81,6 +81,26 @@ def _raised_by_the_class(error: BaseException) -> BaseException:
     while error.__cause__ is not None and str(error).startswith(_WRAPPERS):
         error = error.__cause__
     return error
+
+
+def _check_accelerator(trainer: Any) -> None:
+    """A GPU accelerator where PyTorch sees no GPU: one line with what to use instead (Lightning
+    says "No supported gpu backend found!")."""
+    accelerator = trainer.get("accelerator") if hasattr(trainer, "get") else None
+    if not isinstance(accelerator, str) or accelerator.lower() not in ("gpu", "cuda", "mps"):
+        return
+    import torch
+
+    name = accelerator.lower()
+    cuda = torch.cuda.is_available()
+    mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    if (name == "gpu" and (cuda or mps)) or (name == "cuda" and cuda) or (name == "mps" and mps):
+        return
+    why = "this PyTorch is a CPU-only build" if name == "cuda" and torch.version.cuda is None else "none is visible"
+    raise ValueError(
+        f"--trainer.accelerator {accelerator}: this machine has no GPU PyTorch can use ({why}); "
+        "use --trainer.accelerator cpu, or auto (a GPU where there is one, else the CPU)"
+    )
 
 
 def _quiet_third_party() -> None:
@@ -281,12 +301,14 @@ class DiTCLI(LightningCLI):
 
     # ---- settings checked before anything is built ---------------------------------------------
     def _check_settings(self, sub: Any) -> None:
-        """Values no class checks before work starts: learning rates, and the output directories
-        the configs name (the run's own directories are checked again once they are known)."""
+        """Values no class checks before work starts: a GPU accelerator without a GPU, learning
+        rates, and the output directories the configs name (the run's own directories are checked
+        again once they are known)."""
 
         def get(node: Any, key: str) -> Any:
             return node.get(key) if hasattr(node, "get") else None
 
+        _check_accelerator(get(sub, "trainer"))
         model = get(sub, "model")
         lr = get(get(get(get(model, "init_args") or model, "optimizer"), "init_args"), "lr")
         if isinstance(lr, (int, float)) and not isinstance(lr, bool) and (lr < 0 or lr != lr):

@@ -81,3 +81,17 @@ def test_the_models_checkpointing_syntax_and_a_hardware_profile_as_yaml():
     assert profile["trainer"]["precision"] == "bf16-mixed" and profile["model"]["activation_checkpointing"] == "none"
     with pytest.raises(ValueError, match="add --fit"):
         plan(gpu="rtx4090", format="yaml")
+
+
+def test_plan_takes_fit_with_a_value_as_its_help_shows_and_knows_the_rtx5090(capsys):
+    """`plan --help` shows `--fit {true,false}`, but `--fit true` was refused ("unrecognized arguments: true")."""
+    from dit_lightning.cli import main
+
+    for fit in (["--fit", "true"], ["--fit"]):  # the bare flag still reads as --fit true
+        main(["plan", "--gpu", "rtx5090", *fit, "--format", "json"])
+        data = json.loads(capsys.readouterr().out)
+        assert data["gpu"] == "rtx5090" and data["memory"]["fits"] and data["memory"]["budget"] < 32 * 2**30
+    main(["plan", "--gpu", "NVIDIA GeForce RTX 5090", "--fit", "false", "--format", "json"])  # a memory plan
+    assert json.loads(capsys.readouterr().out)["gpu"] == "rtx5090"
+    spec = gpu_spec("5090")
+    assert (spec.memory_gb, spec.bf16_tflops, spec.bandwidth_tbs) == (32, 209.5, 1.792)

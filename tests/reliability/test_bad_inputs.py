@@ -84,6 +84,19 @@ def test_a_misspelled_model_option_names_the_option_and_where_the_options_are_li
     assert code == 0 and "--model.hidden_size HIDDEN_SIZE" in out and "--model.activation_checkpointing" in out
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() or torch.backends.mps.is_available(), reason="needs a machine without GPU"
+)
+def test_a_gpu_accelerator_without_a_gpu_offers_cpu_or_auto(digits, capsys):
+    """Lightning said "No supported gpu backend found!"."""
+    code, _, err = call(
+        ["fit", "--config", DEMO, *TINY, "--data.path", str(digits), "--trainer.accelerator", "gpu"], capsys
+    )
+    assert code == 1 and "error: --trainer.accelerator gpu: this machine has no GPU PyTorch can use" in err, err
+    assert "use --trainer.accelerator cpu, or auto" in err
+    one_message(err)
+
+
 def test_a_zero_learning_rate_warns(digits, tmp_path):
     proc = run_cli(fit(tmp_path, "lr0", 1, digits, ["--model.optimizer.lr", "0"]), tmp_path)
     assert "learning rate of AdamW is 0" in proc.stderr and "never changes the weights" in proc.stderr
