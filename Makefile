@@ -34,10 +34,12 @@ $(VENV)/.installed-test: pyproject.toml
 
 install: $(VENV)/.installed-test
 
-# Each run gets its own directory (outputs/demo/version_N); `last` is the newest run's last checkpoint.
+# Each run gets its own directory (outputs/demo/version_N). The test step measures the run this fit
+# trained, by the path the fit records, not the shared outputs/demo/last.ckpt another run may move.
 demo: $(VENV)/.installed-demo
-	$(BIN)/dit-lightning fit --config configs/demo.yaml
-	$(BIN)/dit-lightning test --config configs/demo.yaml --ckpt_path last
+	@run=$$(mktemp) && trap 'rm -f "$$run"' EXIT && set -x && \
+	$(BIN)/dit-lightning fit --config configs/demo.yaml --checkpoint.last_path_file "$$run" && \
+	$(BIN)/dit-lightning test --config configs/demo.yaml --ckpt_path "$$(cat "$$run")"
 
 lint: install
 	$(BIN)/ruff format --check .

@@ -21,8 +21,10 @@ from .signals import SignalGuard
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 DEBUG_ENV = "DIT_LIGHTNING_DEBUG"
-# Flags that read better without a value on the command line.
+# Flags that read better without a value on the command line (`plan --fit`; `plan --fit true` as well).
 _FLAG_ALIASES = {"plan": {"--fit": "--fit=true", "--json": "--format=json"}}
+# Where the model's options are listed (`fit --help` shows only its class; --model.help needs a dotted path).
+_MODEL_HELP = "--model.help dit_lightning.module.DiTModule"
 
 
 def usage() -> str:
@@ -103,19 +105,93 @@ def _join_negative_values(args: list[str]) -> list[str]:
     return out
 
 
+def _with_aliases(command: str, args: list[str]) -> list[str]:
+    """``plan --fit`` -> ``--fit=true``, unless a value follows (``plan --fit true``)."""
+    aliases = _FLAG_ALIASES.get(command, {})
+    return [
+        aliases[a] if a in aliases and (i + 1 == len(args) or args[i + 1].startswith("-")) else a
+        for i, a in enumerate(args)
+    ]
+
+
+def _closest(given: str, options: list[str]) -> Optional[str]:
+    """The option a misspelled or abbreviated ``given`` most likely means, with the others it
+    abbreviates: ``--trainer.max_step`` -> ``--trainer.max_steps``; ``--trainer.acc`` ->
+    ``--trainer.accelerator (or --trainer.accumulate_grad_batches)``; None if nothing is close."""
+    options = [o for o in options if not o.endswith((".help", "+")) or o.startswith(given)]
+    prefixed = [o for o in options if o.startswith(given)]
+    ranked = difflib.get_close_matches(given, prefixed or options, n=3, cutoff=0.0 if prefixed else 0.6)
+    if not ranked:
+        return None
+    others = ranked[1:] if prefixed else []
+    return ranked[0] + (f" (or {', '.join(others)})" if others else "")
+
+
+def _class_options(class_path: str) -> list[str]:
+    """The init arguments jsonargparse accepts for ``class_path`` (a class it has just resolved)."""
+    import importlib
+
+    from jsonargparse import ArgumentParser
+
+    module, name = class_path.rsplit(".", 1)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(getattr(importlib.import_module(module), name), fail_untyped=False)
+    return [a.dest for a in parser._actions if a.dest != "help"]
+
+
+def _option_error(error: BaseException, command: str) -> Optional[tuple[str, str]]:
+    """(message, where the options are listed) for an option that does not exist, with the closest
+    that does, or a bad value of a class's option (``--model.depth abc``) without jsonargparse's
+    nesting of the ``model`` union; None for other errors. Options are never abbreviated
+    (``allow_abbrev=False``): a prefix is refused with the option it abbreviates."""
+    chain: list[BaseException] = []
+    e: Optional[BaseException] = error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = [str(e) for e in chain]
+    listed = f"dit-lightning {command} --help lists the options"
+    unrecognized = re.match(r"unrecognized arguments: (-\S+)", text[0])
+    if unrecognized:
+        given = unrecognized.group(1).split("=", 1)[0]
+        parser = getattr(error, "parser", None)
+        close = _closest(given, [o for a in getattr(parser, "_actions", []) for o in a.option_strings])
+        if command in SUBCOMMANDS:
+            listed += f"; the model's: dit-lightning {command} {_MODEL_HELP}"
+        hint = f"; did you mean {close}?" if close else ""
+        return f"unknown option {given}{hint} (options are not abbreviated)", listed
+    # an option of a class chosen by class_path (--model.hiden_size, --model.depth abc), wrapped by jsonargparse
+    prefix = re.match(r'Parser key "([^"]+)"', text[0])
+    nested = re.findall(r"NestedArg\(key='([^']+)'", text[0])  # the last one is the outermost's own
+    class_paths = [m for t in text for m in re.findall(r"class_path[ =]'([\w.]+)'", t)]
+    if prefix is None or not nested or not class_paths:
+        return None
+    given, class_path = f"--{prefix.group(1)}.{nested[-1]}", class_paths[-1]
+    name = class_path.rsplit(".", 1)[1]
+    at = ".".join(k for k in (prefix.group(1), nested[-1].rpartition(".")[0].replace(".init_args", "")) if k)
+    listed = f"dit-lightning {command} --{at}.help {class_path} lists the options of {name}"
+    unknown = re.search(r"Option '([^']+)' is not accepted", text[-1])
+    if unknown and given.endswith(unknown.group(1)):
+        key = unknown.group(1)
+        close = _closest(key, _class_options(class_path))
+        hint = f"; did you mean {given[: -len(key)]}{close}?" if close else ""
+        return f"{given}: {name} has no option '{key}'{hint}", listed
+    reason = re.sub(r'^Parser key "[^"]+":\s*', "", text[-1]).strip()  # the innermost: what is wrong with the value
+    return f"{given}: {reason}", listed
+
+
 def _run(args: list[str]) -> None:
     command = args[0]
     if command in TOOLS:
-        from jsonargparse import CLI
+        from jsonargparse import CLI, ArgumentError, auto_parser
 
-        aliases = _FLAG_ALIASES.get(command, {})
-        CLI(
-            tool(command),
-            args=[aliases.get(a, a) for a in args[1:]],
-            as_positional=False,
-            prog=f"dit-lightning {command}",
-            exit_on_error=False,
-        )
+        options: dict = {"as_positional": False, "prog": f"dit-lightning {command}", "exit_on_error": False}
+        options["allow_abbrev"] = False  # --num_step is not --num_steps: refused, with the option it abbreviates
+        try:
+            CLI(tool(command), args=_with_aliases(command, args[1:]), **options)
+        except ArgumentError as e:
+            e.parser = auto_parser(tool(command), **options)  # type: ignore[attr-defined]  # for "did you mean"
+            raise
         return
     from .lightning_cli import run_lightning_cli
 
@@ -144,8 +220,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             raise
         name = type(error).__name__
         if name == "ArgumentError":  # jsonargparse: a bad option or value
-            print(f"dit-lightning {args[0]}: error: {_message(error)}", file=sys.stderr)
-            print(f"(dit-lightning {args[0]} --help lists the options)", file=sys.stderr)
+            known = _option_error(error, args[0])
+            message, listed = known or (_message(error), f"dit-lightning {args[0]} --help lists the options")
+            print(f"dit-lightning {args[0]}: error: {message}", file=sys.stderr)
+            print(f"({listed})", file=sys.stderr)
             raise SystemExit(2) from None
         print(f"dit-lightning {args[0]}: error: {_message(error)}", file=sys.stderr)
         print(f"(add --debug, or set {DEBUG_ENV}=1, for the traceback)", file=sys.stderr)

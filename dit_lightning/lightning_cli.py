@@ -11,9 +11,14 @@ every standard Lightning knob working, and one directory per run.
   ``progress_bar.*``); ``--trainer.enable_checkpointing false`` / ``enable_progress_bar false``,
   or another progress bar in ``trainer.callbacks``, turn the defaults off.
 - Each ``fit`` is a run directory of the logger (``outputs/demo/version_N`` with its checkpoints,
-  config, samples and logs); ``outputs/demo/last.ckpt`` links the newest run's last checkpoint and
-  ``--ckpt_path last`` reads it. Resuming a run's checkpoint continues in that run's directory;
-  ``validate`` / ``test`` / ``predict`` of it log there too, at the checkpoint's step.
+  config, samples and logs), named with its last checkpoint when the fit ends;
+  ``outputs/demo/last.ckpt`` links the last checkpoint of the newest run that has saved one (only a
+  write moves it) and ``--ckpt_path last`` reads it, saying which run and step it found. Resuming a
+  run's checkpoint continues in that run's directory; ``validate`` / ``test`` / ``predict`` of it
+  log there too, at the checkpoint's step.
+- Errors a class raises while it is built (a model setting that does not work, a bad ``init_from``)
+  are reported as themselves, without jsonargparse's wrapping of the ``model`` union; options are
+  never abbreviated; a GPU accelerator on a machine without one is refused before anything is built.
 - ``--ckpt_path`` takes the architecture and settings the checkpoint was trained with for
   whatever the configs and the command line leave unset: settings given explicitly win.
 """
@@ -28,11 +33,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from jsonargparse import ArgumentError
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .autofit import AutoFitConfig
 from .callbacks.checkpoint import LATEST, DiTModelCheckpoint, newest_run_checkpoint, run_directory_of
@@ -55,6 +62,45 @@ _EVAL = ("validate", "test", "predict")
 
 def _store_vae(data: LatentDataModule) -> str:
     return data.spec.vae
+
+
+def _shown(path: Union[str, Path]) -> str:
+    """A path as a user would type it: relative to the working directory when inside it."""
+    relative = os.path.relpath(path)
+    return str(path) if relative.startswith("..") else relative
+
+
+# How jsonargparse wraps what a class raised while it was built (the model is a union with None).
+_WRAPPERS = ("Does not validate against any of the Union subtypes", "Problem with given class_path")
+
+
+def _raised_by_the_class(error: BaseException) -> BaseException:
+    """The error a class raised in ``__init__`` (a model setting that does not work, a bad
+    ``init_from``...) out of jsonargparse's wrappers, which repeat it among the subtypes' errors
+    followed by the whole configuration."""
+    while error.__cause__ is not None and str(error).startswith(_WRAPPERS):
+        error = error.__cause__
+    return error
+
+
+def _check_accelerator(trainer: Any) -> None:
+    """A GPU accelerator where PyTorch sees no GPU: one line with what to use instead (Lightning
+    says "No supported gpu backend found!")."""
+    accelerator = trainer.get("accelerator") if hasattr(trainer, "get") else None
+    if not isinstance(accelerator, str) or accelerator.lower() not in ("gpu", "cuda", "mps"):
+        return
+    import torch
+
+    name = accelerator.lower()
+    cuda = torch.cuda.is_available()
+    mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    if (name == "gpu" and (cuda or mps)) or (name == "cuda" and cuda) or (name == "mps" and mps):
+        return
+    why = "this PyTorch is a CPU-only build" if name == "cuda" and torch.version.cuda is None else "none is visible"
+    raise ValueError(
+        f"--trainer.accelerator {accelerator}: this machine has no GPU PyTorch can use ({why}); "
+        "use --trainer.accelerator cpu, or auto (a GPU where there is one, else the CPU)"
+    )
 
 
 def _quiet_third_party() -> None:
@@ -139,7 +185,12 @@ class DiTCLI(LightningCLI):
     # ---- --ckpt_path ------------------------------------------------------------------------
     def parse_arguments(self, parser: Any, args: Any) -> None:
         self._args = list(args) if args is not None else sys.argv[1:]
-        super().parse_arguments(parser, args)
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as e:  # the subcommand's options, for the CLI's "did you mean"
+            subcommand = self._args[0] if self._args else ""
+            e.parser = self._subcommand_parsers.get(subcommand, parser)  # type: ignore[attr-defined]
+            raise
 
     def _logger_root(self, subconfig: Any) -> Optional[Path]:
         """``save_dir/name`` of the first configured logger with directories (TensorBoard, CSV...)."""
@@ -163,7 +214,7 @@ class DiTCLI(LightningCLI):
         if not subcommand:
             return
         sub = self.config[subcommand]
-        ckpt_path = sub.get("ckpt_path")
+        ckpt_path = sub_ckpt_path = sub.get("ckpt_path")
         root = self._logger_root(sub)
         if ckpt_path == "last":
             found = newest_run_checkpoint(root) if root is not None else None
@@ -188,6 +239,9 @@ class DiTCLI(LightningCLI):
         self._continue_run(sub, subcommand, ckpt_path, root)
         state = self._training_state(ckpt_path)
         self._resumed_step = state.step  # names the config record of a resumed run
+        if sub_ckpt_path == "last":  # the link is shared by every run of the config: say which one it found
+            run = run_directory_of(ckpt_path, root) if root is not None else None
+            rank_zero_info(f"--ckpt_path last: {f'run {run}, ' if run else ''}step {state.step} ({_shown(ckpt_path)})")
         hparams = self._checkpoint_hparams(state)
         if hparams:
             # defaults < the checkpoint's settings < configs and command line (in their order)
@@ -247,12 +301,14 @@ class DiTCLI(LightningCLI):
 
     # ---- settings checked before anything is built ---------------------------------------------
     def _check_settings(self, sub: Any) -> None:
-        """Values no class checks before work starts: learning rates, and the output directories
-        the configs name (the run's own directories are checked again once they are known)."""
+        """Values no class checks before work starts: a GPU accelerator without a GPU, learning
+        rates, and the output directories the configs name (the run's own directories are checked
+        again once they are known)."""
 
         def get(node: Any, key: str) -> Any:
             return node.get(key) if hasattr(node, "get") else None
 
+        _check_accelerator(get(sub, "trainer"))
         model = get(sub, "model")
         lr = get(get(get(get(model, "init_args") or model, "optimizer"), "init_args"), "lr")
         if isinstance(lr, (int, float)) and not isinstance(lr, bool) and (lr < 0 or lr != lr):
@@ -300,6 +356,26 @@ class DiTCLI(LightningCLI):
         if self.subcommand == "fit" and getattr(self, "_resumed_run", None) is not None:
             name = f"config-resumed-from-step-{getattr(self, '_resumed_step', 0)}.yaml"
         self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": name, "overwrite": True}
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as e:
+            error = _raised_by_the_class(e)
+            if error is e:
+                raise
+            raise error from error.__cause__  # its own cause stays; the wrappers go
+
+    def after_fit(self) -> None:
+        """Name the run and its last checkpoint: the path that reads this run, whatever another run
+        does to the shared ``last.ckpt`` link."""
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        run = trainer.log_dir or trainer.default_root_dir
+        last = getattr(trainer.checkpoint_callback, "last_model_path", "")
+        saved = f"last checkpoint {_shown(last)}" if last and os.path.exists(last) else "no checkpoint saved"
+        print(f"fit: run {_shown(run)} ended at step {trainer.global_step}; {saved}", flush=True)
 
     def _explicit_settings(self) -> dict[str, Any]:
         """The levers auto-fit must keep: those the configs or the command line set (defaults excluded)."""
@@ -371,6 +447,6 @@ def run_lightning_cli(args: list[str]) -> None:
         subclass_mode_model=True,  # DiTModule or a subclass (dit_lightning.distill.DistillationModule)
         save_config_callback=ConfigLogger,
         auto_configure_optimizers=False,  # optimiser and schedule are the model's arguments
-        parser_kwargs={"exit_on_error": False},
+        parser_kwargs={"exit_on_error": False, "allow_abbrev": False},  # --trainer.max_step is not max_steps
         args=args,
     )

@@ -1,6 +1,7 @@
-"""A new user's first hour, run through the real `dit-lightning` command in subprocesses: runs keep
-their own records, standard Lightning knobs work, any logger gets the images and text, batch logs
-show progress, errors carry no traceback, and a short demo run prints no avoidable warning."""
+"""A new user's first hour, run through the real `dit-lightning` command in subprocesses (and `make
+demo` as the Makefile runs it): runs keep their own records, standard Lightning knobs work, any
+logger gets the images and text, batch logs show progress, errors carry no traceback, and a short
+demo run prints no avoidable warning."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import csv
 import json
 import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,13 +42,32 @@ def workdir(tmp_path_factory) -> Path:
     return d
 
 
+def make_demo(workdir: Path) -> subprocess.CompletedProcess:
+    """`make demo` as the Makefile writes it (its install step skipped), with `dit-lightning` this
+    checkout's CLI on the demo shrunk to seconds."""
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    bin_dir = workdir / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    cli = bin_dir / "dit-lightning"
+    cli.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m dit_lightning.cli "$@" {shlex.join(SMALL[2:])}\n')
+    cli.chmod(0o755)
+    if not (workdir / "configs").exists():
+        (workdir / "configs").symlink_to(ROOT / "configs")  # the recipe names configs/demo.yaml
+    proc = subprocess.run(
+        ["make", "-f", str(ROOT / "Makefile"), "-o", ".venv/.installed-demo", f"BIN={bin_dir}", "demo"],
+        cwd=workdir, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return proc
+
+
 @pytest.fixture(scope="module")
 def two_runs(workdir) -> dict:
-    """`make demo` twice in one tree: fit, fit again, then `test --ckpt_path last`."""
+    """Two runs in one tree: a fit, then `make demo` (a fit, then `test` of the run it trained)."""
     first = run_cli(["fit", *SMALL], workdir)
-    second = run_cli(["fit", *SMALL], workdir)
-    tested = run_cli(["test", *SMALL, "--ckpt_path", "last"], workdir)
-    return {"first": first, "second": second, "test": tested, "root": workdir / "outputs" / "demo"}
+    second = make_demo(workdir)
+    return {"first": first, "second": second, "root": workdir / "outputs" / "demo"}
 
 
 def scalars(run_dir: Path) -> dict[str, dict[int, float]]:
@@ -66,14 +90,35 @@ def test_each_run_keeps_its_own_record_and_last_is_the_newest(two_runs):
         assert (run / "config.yaml").is_file() and (run / "hparams.yaml").is_file()
         assert not list(run.glob("checkpoints/*-v1.ckpt"))
     assert (root / "last.ckpt").resolve() == (root / "version_1" / "checkpoints" / "last.ckpt").resolve()
-    # `test --ckpt_path last` measured the second run, recorded in its directory, at its last step
+    # each fit names its run; the second says it took the shared link over from the first
+    for n, proc in enumerate((two_runs["first"], two_runs["second"])):
+        run = f"outputs/demo/version_{n}"
+        assert f"fit: run {run} ended at step 4; last checkpoint {run}/checkpoints/last.ckpt" in proc.stdout
+    taken = "outputs/demo/last.ckpt now points at this run's last checkpoint (version_1, step 4), not version_0's"
+    assert taken in two_runs["second"].stderr and "now points" not in two_runs["first"].stderr
+    # `make demo` tested the run it trained, by the path its fit recorded (not the shared link), and
+    # recorded the test in that run's directory at its last step
+    own = (root / "version_1" / "checkpoints" / "last.ckpt").resolve()
+    assert f"--ckpt_path {own}" in two_runs["second"].stderr  # the recipe's trace (set -x)
     metrics = json.loads((root / "version_1" / "test_metrics.json").read_text())
-    assert Path(metrics["checkpoint"]).resolve() == (root / "version_1" / "checkpoints" / "last.ckpt").resolve()
+    assert Path(metrics["checkpoint"]).resolve() == own
     assert metrics["global_step"] == 4 and not (root / "version_0" / "test_metrics.json").exists()
     assert (root / "version_1" / "test-config.yaml").is_file() and (root / "version_1" / "config.yaml").is_file()
     test_scalars = scalars(root / "version_1")
     assert set(test_scalars["test/loss"]) == {4} and set(test_scalars["test/digits_accuracy"]) == {4}
     assert not list(root.glob("version_2"))  # evaluating a run adds no run
+
+
+def test_a_read_only_command_never_moves_the_last_link(two_runs, workdir, monkeypatch, capsys, one_thread):
+    """`validate` of the first run's checkpoint re-pointed the shared link at it (the checkpoint's
+    restored state looked like a save); only a run that writes a checkpoint moves it."""
+    from dit_lightning.cli import main
+
+    link = two_runs["root"] / "last.ckpt"
+    before = os.readlink(link)
+    monkeypatch.chdir(workdir)
+    main(["validate", *SMALL, "--ckpt_path", "outputs/demo/version_0/checkpoints/last.ckpt"])
+    assert "val/loss" in capsys.readouterr().out and os.readlink(link) == before == "version_1/checkpoints/last.ckpt"
 
 
 def test_hparams_yaml_reads_with_safe_load_and_records_the_store(two_runs):
@@ -233,6 +278,8 @@ def test_predict_keeps_its_images_and_says_where(two_runs, workdir):
         "000003-c7.png",
     ]
     assert f"predict: 4 images written to {out.resolve()}" in proc.stdout
+    # the link is shared by every run of the config: `last` says which run and step it read
+    assert "--ckpt_path last: run version_1, step 4 (outputs/demo/version_1/checkpoints/last.ckpt)" in proc.stderr
 
 
 def test_tools_print_where_they_wrote_and_evaluate_takes_one_metric_name(two_runs, workdir):

@@ -1,11 +1,15 @@
 """Checkpoints that keep every run's record: one directory per run, and a ``last.ckpt`` link to
-the newest run's last checkpoint.
+the last checkpoint of the newest run that has saved one.
 
 With the logger's directories (``outputs/demo/version_N``) each ``fit`` writes its checkpoints
 to ``outputs/demo/version_N/checkpoints``, so a second run never overwrites (or sits beside as
-``last-v1.ckpt``) the first run's files, and ``outputs/demo/last.ckpt`` always points at the
-newest run's ``last.ckpt``: configs and commands that name it (``--ckpt_path last``, a teacher,
-``init_from``) read the run that just finished.
+``last-v1.ckpt``) the first run's files, and ``outputs/demo/last.ckpt`` points at the ``last.ckpt``
+of the newest run that has saved: configs and commands that name it (``--ckpt_path last``, a
+teacher, ``init_from``) read that run. Only writing a checkpoint moves the link, atomically: a run
+takes it when it saves for the first time (a resumed run too, not when it starts; it says so when
+the link was another run's), and ``validate`` / ``test`` / ``predict`` never move it. The link is
+shared by every run of a config: a script that must read the run it started (``make demo``'s test
+step) takes the path the run wrote to ``last_path_file`` instead.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from typing import Any, Optional, Union
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from ..atomic import recover_directories, remove_stale_temporaries, replace_symlink
+from ..atomic import recover_directories, remove_stale_temporaries, replace_symlink, write_text
 
 LATEST = "last.ckpt"
 _VERSION = re.compile(r"^version_(\d+)$")
@@ -59,13 +63,19 @@ def run_path(template: str, trainer: L.Trainer, **fields: str) -> Path:
     return Path(template.format(log_dir=log_dir, **fields))
 
 
-def _update_link(link: Path, target: Path) -> None:
-    """Point ``link`` at ``target`` (relative), atomically: readers see the old or the new link."""
+def _update_link(link: Path, target: Path) -> Optional[str]:
+    """Point ``link`` at ``target`` (relative), atomically: readers see the old or the new link.
+    Returns what the link pointed at before (None: no link)."""
     rel = os.path.relpath(target, link.parent)
+    try:
+        before: Optional[str] = os.readlink(link)
+    except OSError:
+        before = None
     try:
         replace_symlink(link, rel)
     except OSError as e:  # no symlinks on this file system: the runs' own files are still complete
         rank_zero_warn(f"could not link {link} -> {rel} ({e}); use --ckpt_path {target}")
+    return before
 
 
 def _clean_up_interrupted_saves(directory: Path) -> None:
@@ -82,18 +92,25 @@ class DiTModelCheckpoint(ModelCheckpoint):
     """:class:`ModelCheckpoint` with the run-directory layout of this module.
 
     Without a ``dirpath`` the checkpoints go to the run's directory (``<logger>/version_N/
-    checkpoints``, Lightning's default) and ``<logger>/last.ckpt`` links to the newest run's
-    ``last.ckpt``. ``last.ckpt`` holds the final step, also when the run ends between two periodic
-    saves. Temporary files left by a killed save are removed when a run starts.
+    checkpoints``, Lightning's default) and ``<logger>/last.ckpt`` links to the ``last.ckpt`` of
+    the newest run that has saved (only a write moves it). ``last.ckpt`` holds the final step,
+    also when the run ends between two periodic saves. Temporary files left by a killed save are
+    removed when a run starts.
 
     Args:
         latest_link: maintain the ``last.ckpt`` link in the logger's directory.
+        last_path_file: a file that gets the path of this run's last checkpoint each time it is
+            written (atomically): what a script evaluates next, e.g. ``make demo``'s test step,
+            instead of the shared link another run may have moved.
         **kwargs: :class:`ModelCheckpoint`'s arguments.
     """
 
-    def __init__(self, *args: Any, latest_link: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, latest_link: bool = True, last_path_file: Optional[str] = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.latest_link = latest_link
+        self.last_path_file = last_path_file
         self._user_dirpath = self.dirpath is not None
         self._linked: Optional[str] = None
         self.run_root: Optional[Path] = None  # <logger>, when checkpoints live in <logger>/version_N/checkpoints
@@ -111,26 +128,30 @@ class DiTModelCheckpoint(ModelCheckpoint):
             _clean_up_interrupted_saves(Path(self.dirpath))
 
     def _refresh_link(self, trainer: L.Trainer) -> None:
-        if not (self.latest_link and trainer.is_global_zero and self.last_model_path):
+        """This run has just written its last checkpoint (``last_model_path``): record its path in
+        ``last_path_file`` and point the ``last.ckpt`` link at it, the first time this run writes it
+        (so the link belongs to the newest run that has saved). Called after each write, never
+        otherwise: a checkpoint path restored from a resumed or evaluated checkpoint moves nothing."""
+        if not (trainer.is_global_zero and self.last_model_path):
             return
         if self.last_model_path == self._linked or not os.path.exists(self.last_model_path):
             return
-        root = self.run_root
-        if root is None:
-            return
-        _update_link(root / LATEST, Path(self.last_model_path))
         self._linked = self.last_model_path
+        if self.last_path_file:
+            write_text(self.last_path_file, os.path.abspath(self.last_model_path) + "\n")
+        root = self.run_root
+        if root is None or not self.latest_link:
+            return
+        link = root / LATEST
+        before = _update_link(link, Path(self.last_model_path))
+        run = run_directory_of(self.last_model_path, root)
+        previous = run_directory_of(root / before, root) if before is not None else None
+        if previous is not None and run is not None and previous != run:  # another run's: say so, once
+            step = trainer.global_step
+            rank_zero_info(f"{link} now points at this run's last checkpoint ({run}, step {step}), not {previous}'s")
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        super().on_train_batch_end(trainer, *args, **kwargs)
-        self._refresh_link(trainer)
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
-        self._refresh_link(trainer)
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_validation_end(trainer, pl_module)
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, Any]) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
         self._refresh_link(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -140,4 +161,3 @@ class DiTModelCheckpoint(ModelCheckpoint):
         # checkpoint holds the final weights.
         if self.save_last and self._last_global_step_saved != trainer.global_step and trainer.global_step > 0:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-        self._refresh_link(trainer)

@@ -144,7 +144,13 @@ class Attention(nn.Module):
         attn_dim = dim if attn_dim is None else attn_dim
         if attn_dim % num_heads:
             name = "hidden_size" if attn_dim == dim else "attn_dim"
-            raise ValueError(f"{name} {attn_dim} is not divisible by num_heads {num_heads}")
+            nearest = [d for d in range(1, attn_dim + 1) if attn_dim % d == 0]
+            below = [d for d in nearest if d < num_heads][-1:]
+            above = [d for d in nearest if d > num_heads][:1]
+            raise ValueError(
+                f"{name} {attn_dim} is not divisible by num_heads {num_heads}: choose a num_heads that divides "
+                f"{attn_dim} (the nearest: {', '.join(str(d) for d in below + above)})"
+            )
         self.num_heads = num_heads
         self.head_dim = attn_dim // num_heads
         self.qkv = nn.Linear(dim, attn_dim * 3, bias=True)

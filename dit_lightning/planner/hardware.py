@@ -70,12 +70,18 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec("h200-nvl", 141, 139.8, 836, 836, 418, 60, 4.8, 25),
         GPUSpec("gh200", 96, 95.0, 989, 989, 494, 67, 4.0, 360),
         GPUSpec("rtx3090-ti", 24, 23.7, 80, 80, 40, 40, 1.008, 12),
+        # GeForce RTX 5090 (Blackwell GB202, 32 GB GDDR7): NVIDIA RTX Blackwell GPU Architecture whitepaper
+        # (https://images.nvidia.com/aem-dam/Solutions/geforce/blackwell/nvidia-rtx-blackwell-gpu-architecture.pdf):
+        # FP16/BF16 tensor with FP32 accumulate 209.5 dense (419 sparse), TF32 tensor 104.8, FP32 104.8 TFLOPS,
+        # 1792 GB/s; PCIe 5.0 without P2P.
+        GPUSpec("rtx5090", 32, 31.4, 209.5, 209.5, 104.8, 104.8, 1.792, 20),
     )
 }
 
 _ALIASES = {
     "3090": "rtx3090",
     "4090": "rtx4090",
+    "5090": "rtx5090",
     "a6000": "rtx-a6000",
     "a100-40": "a100-40gb",
     "a100-80": "a100-80gb",
@@ -180,6 +186,7 @@ _NAME_PATTERNS: list[tuple[str, str]] = [
     ("a100-80gb", r"\ba100\b"),  # 40 and 80 GB parts share one compute peak
     ("l40s", r"\bl40s\b"),  # not the L40 (half the tensor rate): Lightning's table covers it
     ("rtx4090", r"\brtx 4090\b(?!\s*d\b)"),  # the 4090 D has fewer SMs
+    ("rtx5090", r"\brtx 5090\b(?!\s*d\b)"),  # the 5090 D's tensor rate is capped
     ("rtx3090-ti", r"\brtx 3090 ti\b"),
     ("rtx3090", r"\brtx 3090\b"),
 ]

@@ -94,3 +94,17 @@ def test_qk_norm_flag_plans_the_models_qk_norm(capsys):
     assert set(qk["activations_per_block"]) - set(plain["activations_per_block"]) >= {"QK-norm mean/rstd"}
     fit = json.loads(_run_plan(model="DiT-B/2", memory_gib=6, qk_norm=True, fit=True, format="json"))
     assert any("QK-norm" in a for a in fit["memory"]["assumptions"])
+
+
+def test_plan_takes_fit_with_a_value_as_its_help_shows_and_knows_the_rtx5090(capsys):
+    """`plan --help` shows `--fit {true,false}`, but `--fit true` was refused ("unrecognized arguments: true")."""
+    from dit_lightning.cli import main
+
+    for fit in (["--fit", "true"], ["--fit"]):  # the bare flag still reads as --fit true
+        main(["plan", "--gpu", "rtx5090", *fit, "--format", "json"])
+        data = json.loads(capsys.readouterr().out)
+        assert data["gpu"] == "rtx5090" and data["memory"]["fits"] and data["memory"]["budget"] < 32 * 2**30
+    main(["plan", "--gpu", "NVIDIA GeForce RTX 5090", "--fit", "false", "--format", "json"])  # a memory plan
+    assert json.loads(capsys.readouterr().out)["gpu"] == "rtx5090"
+    spec = gpu_spec("5090")
+    assert (spec.memory_gb, spec.bf16_tflops, spec.bandwidth_tbs) == (32, 209.5, 1.792)

@@ -34,6 +34,70 @@ def test_a_negative_learning_rate_is_named_not_misparsed(digits, capsys):
     one_message(err)
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--model.model", "DiT-XXL/2"], "unknown DiT model 'DiT-XXL/2': choose one of DiT-S/2, DiT-S/4"),
+        (
+            ["--model.patch_size", "3"],
+            "patch_size 3 does not divide the latent size 8: choose a patch size among [1, 2",
+        ),
+        (
+            ["--model.num_heads", "5"],
+            "hidden_size 32 is not divisible by num_heads 5: choose a num_heads that divides 32",
+        ),
+        (
+            ["--model.activation_checkpointing", "bogus"],
+            "activation_checkpointing='bogus' is not understood: use 'none'",
+        ),
+    ],
+    ids=["model-name", "patch-size", "heads", "activation-checkpointing"],
+)
+def test_an_error_raised_while_the_model_is_built_is_the_message(digits, capsys, option, message):
+    """It came wrapped in jsonargparse's union noise: the subtypes, their errors, the whole config."""
+    code, _, err = call(["fit", "--config", DEMO, *TINY, "--data.path", str(digits), *option], capsys)
+    assert code == 1 and f"dit-lightning fit: error: {message}" in err, err
+    one_message(err)
+
+
+def test_a_bad_init_from_is_the_message(trained, digits, tmp_path, capsys):
+    """Another architecture, or a file that is not a DiT (a malicious one: test_bad_checkpoints.py)."""
+    exported, foreign = tmp_path / "dit.pt", tmp_path / "not-a-dit.pt"
+    call(["export", "--checkpoint", str(trained), "--output", str(exported)], capsys)
+    torch.save({"encoder.weight": torch.zeros(3)}, foreign)
+    fit = ["fit", "--config", DEMO, *TINY, "--data.path", str(digits), "--model.init_from"]
+    code, _, err = call([*fit, str(exported), "--model.hidden_size", "64"], capsys)
+    assert code == 1 and f"error: checkpoint '{exported}' holds another architecture" in err
+    one_message(err)
+    code, _, err = call([*fit, str(foreign)], capsys)
+    assert code == 1 and f"error: checkpoint '{foreign}' is not a DiT checkpoint" in err
+    one_message(err)
+
+
+def test_a_misspelled_model_option_names_the_option_and_where_the_options_are_listed(capsys):
+    """`fit --help` does not list the model's options (the model is a class chosen by class_path)."""
+    code, _, err = call(["fit", "--config", DEMO, "--model.hiden_size", "64"], capsys)
+    hint = "--model.hiden_size: DiTModule has no option 'hiden_size'; did you mean --model.hidden_size?"
+    assert code == 2 and hint in err and "Union" not in err, err
+    listed = "dit-lightning fit --model.help dit_lightning.module.DiTModule"
+    assert f"({listed} lists the options of DiTModule)" in err
+    code, out, _ = call(listed.split()[1:], capsys)  # the pointer works
+    assert code == 0 and "--model.hidden_size HIDDEN_SIZE" in out and "--model.activation_checkpointing" in out
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() or torch.backends.mps.is_available(), reason="needs a machine without GPU"
+)
+def test_a_gpu_accelerator_without_a_gpu_offers_cpu_or_auto(digits, capsys):
+    """Lightning said "No supported gpu backend found!"."""
+    code, _, err = call(
+        ["fit", "--config", DEMO, *TINY, "--data.path", str(digits), "--trainer.accelerator", "gpu"], capsys
+    )
+    assert code == 1 and "error: --trainer.accelerator gpu: this machine has no GPU PyTorch can use" in err, err
+    assert "use --trainer.accelerator cpu, or auto" in err
+    one_message(err)
+
+
 def test_a_zero_learning_rate_warns(digits, tmp_path):
     proc = run_cli(fit(tmp_path, "lr0", 1, digits, ["--model.optimizer.lr", "0"]), tmp_path)
     assert "learning rate of AdamW is 0" in proc.stderr and "never changes the weights" in proc.stderr
@@ -204,7 +268,9 @@ def test_a_store_of_other_latents_than_the_checkpoint_blames_data_path(trained, 
     code, _, err = call(
         ["fit", "--config", DEMO, *TINY, "--data.path", big, "--model.init_from", str(exported)], capsys
     )
-    assert code == 1 and "--data.path" in err and "(1, 16, 16)" in err
+    assert code == 1 and f"error: --model.init_from {exported} was trained on latents (1, 8, 8)" in err
+    assert "--data.path" in err and "(1, 16, 16)" in err
+    one_message(err)
 
 
 # ---- images ------------------------------------------------------------------------------------
