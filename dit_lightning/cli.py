@@ -64,7 +64,6 @@ def _unknown(command: str) -> NoReturn:
 
 # jsonargparse's report of a class it could not build (the model, in subclass mode): the subtypes it
 # tried and a dump of the given values, around the error the class raised, which is its cause.
-_PARSER_WRAPPERS = ("Does not validate against any of the Union subtypes", "Problem with given class_path")
 
 
 def _message(error: BaseException) -> str:
@@ -75,9 +74,6 @@ def _message(error: BaseException) -> str:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         text = str(e).strip() or type(e).__name__
-        if e.__cause__ is not None and text.startswith(_PARSER_WRAPPERS):
-            e = e.__cause__  # the error itself, without the parser's internals
-            continue
         if isinstance(e, (AttributeError, KeyError, TypeError, NameError, IndexError, AssertionError)):
             text = f"{type(e).__name__}: {text}"  # likely a bug, not a setting: say what kind
         for note in getattr(e, "__notes__", None) or []:  # the diagnosis added on the way (e.g. a lost rank)
