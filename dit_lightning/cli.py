@@ -62,10 +62,6 @@ def _unknown(command: str) -> NoReturn:
     )
 
 
-# jsonargparse's report of a class it could not build (the model, in subclass mode): the subtypes it
-# tried and a dump of the given values, around the error the class raised, which is its cause.
-
-
 def _message(error: BaseException) -> str:
     """The message of an error and of what caused it, without repeating the same text."""
     parts: list[str] = []
