@@ -23,8 +23,7 @@ SMALL = [
     "--model.depth", "1", "--model.hidden_size", "32", "--model.num_heads", "4", "--model.sample_steps", "3",
     "--data.global_batch_size", "32", "--data.val_size", "64",
     "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "2",
-    "--trainer.callbacks.every_n_steps", "2", "--trainer.callbacks.num_steps", "3",
-    "--trainer.callbacks.per_class", "2",
+    "--sample_grid.every_n_steps", "2", "--sample_grid.num_steps", "3", "--sample_grid.per_class", "2",
     "--evaluation.num_samples", "20", "--evaluation.num_steps", "3", "--evaluation.batch_size", "20",
 ]  # fmt: skip
 

@@ -441,8 +441,9 @@ class FaultTolerance(L.Callback):
             return
         self._checked.add(stage)
         problem: Optional[str] = None
+        locations = self.output_locations(trainer, stage)  # on every rank: a {log_dir} is a broadcast
         if trainer.is_global_zero:
-            for directory, what, option in self.output_locations(trainer, stage):
+            for directory, what, option in locations:
                 try:
                     check_writable(directory, what, f"Set {option} to a writable location.")
                 except OSError as e:
