@@ -232,6 +232,9 @@ def test_predict_keeps_its_images_and_says_where(two_runs, workdir):
         "000003-c7.png",
     ]
     assert f"predict: 4 images written to {out.resolve()}" in proc.stdout
+    # a batch log shows predict's progress as it does fit's: plain lines with an ETA
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("predict: batch")]
+    assert lines and "100.0%" in lines[-1] and "ETA" in lines[-1], proc.stdout
 
 
 def test_tools_print_where_they_wrote_and_evaluate_takes_one_metric_name(two_runs, workdir):
