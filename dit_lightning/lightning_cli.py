@@ -10,6 +10,9 @@ every standard Lightning knob working, and one directory per run.
 - Checkpointing and the progress bar are on by default and configurable (``checkpoint.*``,
   ``progress_bar.*``); ``--trainer.enable_checkpointing false`` / ``enable_progress_bar false``,
   or another progress bar in ``trainer.callbacks``, turn the defaults off.
+- The sample grid of a fit is the ``sample_grid`` section (a :class:`SampleGrid`, off unless a config
+  enables it, as the demo's does): ``--sample_grid.enabled false``, ``--sample_grid.num_steps 20``...
+  A ``SampleGrid`` listed in ``trainer.callbacks`` replaces it.
 - Each ``fit`` is a run directory of the logger (``outputs/demo/version_N`` with its checkpoints,
   config, samples and logs), named with its last checkpoint when the fit ends;
   ``outputs/demo/last.ckpt`` links the last checkpoint of the newest run that has saved one (only a
@@ -47,7 +50,7 @@ from .callbacks.config_logger import ConfigLogger
 from .callbacks.fault_tolerance import FaultTolerance
 from .callbacks.generation import GenerationMetrics
 from .callbacks.progress import DiTProgressBar
-from .callbacks.samples import PredictionWriter
+from .callbacks.samples import PredictionWriter, SampleGrid
 from .checkpoints import NotATrainingCheckpointError, TrainingState, UnsafeCheckpointError, read_training_state
 from .data import LatentDataModule
 from .module import DiTModule
@@ -168,6 +171,9 @@ class DiTCLI(LightningCLI):
         parser.add_lightning_class_args(DiTModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 1000})
         parser.add_lightning_class_args(DiTProgressBar, "progress_bar")
+        # The end-of-fit sample grid: off unless a config enables it (the demo's does)
+        parser.add_lightning_class_args(SampleGrid, "sample_grid")
+        parser.set_defaults({"sample_grid.enabled": False})
         # What `test` measures besides the held-out loss: FID / IS / KID or the digits metrics of
         # freshly sampled images (`evaluation.metrics`; off while the list is empty).
         parser.add_lightning_class_args(GenerationMetrics, "evaluation")
@@ -404,6 +410,11 @@ class DiTCLI(LightningCLI):
             isinstance(c, ProgressBar) for c in user_callbacks
         ):
             dropped.add("progress_bar")  # the user's bar, or none: ours would clash
+        grid = self._get(self.config_init, "sample_grid", default=None)
+        if self.subcommand in _EVAL or not getattr(grid, "enabled", False):
+            dropped.add("sample_grid")
+        elif any(isinstance(c, SampleGrid) for c in user_callbacks):
+            dropped.add("sample_grid")  # the user's grid replaces the section's
         parser.callback_keys = [k for k in parser.callback_keys if k not in dropped]
         # ---- auto-fit (issue 19): decide before the Trainer exists; the callback applies and recovers
         auto_fit = AutoFitConfig.of(self._get(self.config_init, "auto_fit", default=None))

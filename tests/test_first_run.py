@@ -28,8 +28,7 @@ SMALL = [
     "--model.depth", "1", "--model.hidden_size", "32", "--model.num_heads", "4", "--model.sample_steps", "3",
     "--data.global_batch_size", "32", "--data.val_size", "64",
     "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "2",
-    "--trainer.callbacks.every_n_steps", "2", "--trainer.callbacks.num_steps", "3",
-    "--trainer.callbacks.per_class", "2",
+    "--sample_grid.every_n_steps", "2", "--sample_grid.num_steps", "3", "--sample_grid.per_class", "2",
     "--evaluation.num_samples", "20", "--evaluation.num_steps", "3", "--evaluation.batch_size", "20",
 ]  # fmt: skip
 
@@ -280,6 +279,9 @@ def test_predict_keeps_its_images_and_says_where(two_runs, workdir):
     assert f"predict: 4 images written to {out.resolve()}" in proc.stdout
     # the link is shared by every run of the config: `last` says which run and step it read
     assert "--ckpt_path last: run version_1, step 4 (outputs/demo/version_1/checkpoints/last.ckpt)" in proc.stderr
+    # a batch log shows predict's progress as it does fit's: plain lines with an ETA
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("predict: batch")]
+    assert lines and "100.0%" in lines[-1] and "ETA" in lines[-1], proc.stdout
 
 
 def test_tools_print_where_they_wrote_and_evaluate_takes_one_metric_name(two_runs, workdir):

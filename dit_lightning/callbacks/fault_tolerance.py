@@ -36,6 +36,7 @@ together at most ``check_every_n_steps`` steps after it arrived.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -205,8 +206,23 @@ class PeerWatchdog(threading.Thread):
                     self._report(f"the rendezvous store (hosted by rank 0 or the launcher) stopped answering ({e})")
                     return
 
+    def start(self) -> None:
+        super().start()
+        # Joined before the interpreter exits, whatever ends the run: a daemon thread still inside a
+        # store call then (C++, GIL released) is ended by pthread_exit as it takes the GIL back, which
+        # unwinds through a noexcept destructor: "terminate called without an active exception", -6.
+        atexit.register(self.close)
+
     def stop(self) -> None:
         self._stop_event.set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop and wait for the thread (its store call in flight returns in milliseconds; a store
+        that no longer answers is given ``timeout`` seconds)."""
+        self.stop()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout)
+        atexit.unregister(self.close)
 
     def _report(self, what: str, announce: bool = True) -> None:
         if self.lost is not None:
@@ -397,7 +413,7 @@ class FaultTolerance(L.Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._watchdog is not None:
-            self._watchdog.stop()
+            self._watchdog.close()
             self._watchdog = None
         self._uninstall_guard()
 
@@ -424,8 +440,9 @@ class FaultTolerance(L.Callback):
             return
         self._checked.add(stage)
         problem: Optional[str] = None
+        locations = self.output_locations(trainer, stage)  # on every rank: a {log_dir} is a broadcast
         if trainer.is_global_zero:
-            for directory, what, option in self.output_locations(trainer, stage):
+            for directory, what, option in locations:
                 try:
                     check_writable(directory, what, f"Set {option} to a writable location.")
                 except OSError as e:

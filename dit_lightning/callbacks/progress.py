@@ -4,7 +4,8 @@ Lightning's bars count batches of the current epoch ("Epoch 83/-2" when training
 and print nothing to a file until the end. DiT runs are counted in optimiser steps: this bar
 shows step / max_steps, the metrics of the progress bar (loss, images/s) and an ETA for the
 whole run, and when stdout is not a terminal it prints one line every few percent (or at least
-every ``interval_s`` seconds) that reads well in a log file.
+every ``interval_s`` seconds) that reads well in a log file; ``predict``, ``test`` and ``validate``
+print the same lines, counted in batches.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 def _duration(seconds: float) -> str:
@@ -61,6 +63,9 @@ class DiTProgressBar(ProgressBar):
         self._step0 = 0
         self._last_line = 0.0
         self._last_step = -1
+        self._eval_t0 = self._eval_last = 0.0  # plain lines of validate / test / predict
+        self._eval_total: Optional[int] = None
+        self._eval_done = 0
 
     # ---- ProgressBar API ----------------------------------------------------------------------
     def disable(self) -> None:
@@ -179,6 +184,12 @@ class DiTProgressBar(ProgressBar):
         self._stop_rich()
 
     # ---- evaluation and prediction ------------------------------------------------------------
+    @staticmethod
+    def _eval_lines(trainer: L.Trainer, description: str) -> bool:
+        """Whether a plain log gets progress lines of this loop: ``predict``, ``test`` and a
+        ``validate`` run do; validation inside fit prints its one result line instead."""
+        return description != "validation" or trainer.state.fn != TrainerFn.FITTING
+
     def _eval_start(self, trainer: L.Trainer, description: str, total: Any) -> None:
         if not self.is_enabled or trainer.sanity_checking:
             return
@@ -188,10 +199,31 @@ class DiTProgressBar(ProgressBar):
         elif not self._is_plain():
             self._progress = self._start_rich()
             self._eval_task = self._progress.add_task(description, total=total, metrics="")
+        elif self._eval_lines(trainer, description):
+            self._eval_total, self._eval_done = total, 0
+            self._eval_t0 = self._eval_last = time.perf_counter()
+            print(f"{description}: {total} batches" if total is not None else f"{description}: started", flush=True)
 
-    def _eval_batch(self) -> None:
+    def _eval_batch(self, trainer: L.Trainer, description: str) -> None:
         if self._progress is not None and self._eval_task is not None:
             self._progress.advance(self._eval_task)
+            return
+        if not self.is_enabled or trainer.sanity_checking or not self._is_plain():
+            return
+        if not self._eval_lines(trainer, description):
+            return
+        self._eval_done += 1
+        done, total, now = self._eval_done, self._eval_total, time.perf_counter()
+        every = max(1, int(total * self.every_percent / 100)) if total else None
+        if not ((every and done % every == 0) or done == total or now - self._eval_last >= self.interval_s):
+            return
+        self._eval_last = now
+        elapsed = now - self._eval_t0
+        parts = [f"batch {done}/{total}", f"{100.0 * done / total:.1f}%"] if total else [f"batch {done}"]
+        parts.append(f"elapsed {_duration(elapsed)}")
+        if total:
+            parts.append(f"ETA {_duration(elapsed / done * (total - done))}")
+        print(f"{description}: " + " | ".join(parts), flush=True)
 
     def _eval_end(self, trainer: L.Trainer, pl_module: L.LightningModule, description: str) -> None:
         if not self.is_enabled or trainer.sanity_checking:
@@ -201,15 +233,22 @@ class DiTProgressBar(ProgressBar):
             self._eval_task = None
             if self._task is None:
                 self._stop_rich()
-        if self._is_plain() and description == "validation":
+        if not self._is_plain():
+            return
+        if self._eval_lines(trainer, description):
+            elapsed = time.perf_counter() - self._eval_t0
+            print(f"{description}: done, {self._eval_done} batches in {_duration(elapsed)}", flush=True)
+        if description == "validation":
             metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k.startswith("val")}
             print(f"validation at step {trainer.global_step}: {_format_metrics(metrics)}", flush=True)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._eval_start(trainer, "validation", self.total_val_batches)
 
-    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self._eval_batch()
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        self._eval_batch(trainer, "validation")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._eval_end(trainer, pl_module, "validation")
@@ -217,8 +256,8 @@ class DiTProgressBar(ProgressBar):
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._eval_start(trainer, "test", sum(trainer.num_test_batches))
 
-    def on_test_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self._eval_batch()
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        self._eval_batch(trainer, "test")
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._eval_end(trainer, pl_module, "test")
@@ -226,8 +265,8 @@ class DiTProgressBar(ProgressBar):
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._eval_start(trainer, "predict", sum(trainer.num_predict_batches))
 
-    def on_predict_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self._eval_batch()
+    def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        self._eval_batch(trainer, "predict")
 
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._eval_end(trainer, pl_module, "predict")

@@ -20,7 +20,7 @@ TINY = [
     "--model.depth", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
     "--data.global_batch_size", "32", "--data.val_size", "64",
     "--trainer.callbacks=[]", "--trainer.log_every_n_steps", "1", "--trainer.enable_model_summary", "false",
-    "--trainer.enable_progress_bar", "false",
+    "--trainer.enable_progress_bar", "false", "--sample_grid.enabled", "false",
 ]  # fmt: skip
 
 
