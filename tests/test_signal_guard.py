@@ -24,13 +24,13 @@ def kill(signum: int = signal.SIGTERM) -> None:
 
 
 def test_outside_a_block_the_first_signal_stops_at_once_and_the_handlers_come_back(capsys):
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SignalExit) as stop, SignalGuard("dit-lightning tool"):
-        assert active() is not None
+    before, outer = signal.getsignal(signal.SIGTERM), active()
+    with pytest.raises(SignalExit) as stop, SignalGuard("dit-lightning tool") as guard:
+        assert active() is guard
         kill()
         raise AssertionError("not reached")
     assert stop.value.code == 143 and not stop.value.at_once
-    assert signal.getsignal(signal.SIGTERM) is before and active() is None
+    assert signal.getsignal(signal.SIGTERM) is before and active() is outer
     assert capsys.readouterr().out == f"dit-lightning tool: stopped by SIGTERM: {NOTHING_PARTIAL}.\n"
 
 
@@ -81,3 +81,21 @@ def test_without_a_guard_nothing_changes():
 def test_a_signal_exit_crosses_processes_whole():
     stop = pickle.loads(pickle.dumps(SignalExit(15, detail="kept", at_once=True)))
     assert (stop.code, stop.signum, stop.detail, stop.at_once) == (143, 15, "kept", True)
+
+
+def test_a_stage_that_fails_gives_its_handlers_back():
+    """FaultTolerance installs a guard per stage; Lightning skips teardown hooks after an error, so
+    on_exception must remove it (a stale guard took the signals of whatever ran next)."""
+    from unittest import mock
+
+    from dit_lightning.callbacks.fault_tolerance import FaultTolerance
+
+    before, outer = signal.getsignal(signal.SIGTERM), active()
+    trainer = mock.Mock(global_rank=0)
+    trainer.strategy.launcher.procs = []
+    callback = FaultTolerance()
+    with mock.patch.object(FaultTolerance, "_handled_signals", return_value=[signal.SIGTERM]):
+        callback._install_guard(trainer, "test")
+    assert active() is not outer
+    callback.on_exception(trainer, mock.Mock(), RuntimeError("the stage failed"))
+    assert active() is outer and signal.getsignal(signal.SIGTERM) is before

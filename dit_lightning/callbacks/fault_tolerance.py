@@ -713,8 +713,9 @@ class FaultTolerance(L.Callback):
 
     # ---- a rank lost -----------------------------------------------------------------------
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # the stage's handlers go with it, whatever ended it (Lightning skips teardown hooks after an error)
+        self._uninstall_guard()
         if isinstance(exception, (SignalExit, SIGTERMException)):
-            self._uninstall_guard()
             if not getattr(exception, "reported", False):  # (a stop after a checkpoint reported itself)
                 self._report_stop(trainer, exception)
                 _leave_after_the_launcher(trainer)
