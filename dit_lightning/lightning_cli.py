@@ -376,9 +376,9 @@ class DiTCLI(LightningCLI):
         """Name the run and its last checkpoint: the path that reads this run, whatever another run
         does to the shared ``last.ckpt`` link."""
         trainer = self.trainer
+        run = trainer.log_dir or trainer.default_root_dir  # a broadcast from rank 0: every rank asks
         if not trainer.is_global_zero:
             return
-        run = trainer.log_dir or trainer.default_root_dir
         last = getattr(trainer.checkpoint_callback, "last_model_path", "")
         saved = f"last checkpoint {_shown(last)}" if last and os.path.exists(last) else "no checkpoint saved"
         print(f"fit: run {_shown(run)} ended at step {trainer.global_step}; {saved}", flush=True)

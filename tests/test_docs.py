@@ -123,6 +123,8 @@ def _parse_only(args: list[str]) -> list[str]:
             if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
         ]
         args = [*args, *(x for name in required if f"--{name}" not in given for x in (f"--{name}", "PLACEHOLDER"))]
+    if any(a in ("-h", "--help") or a.endswith(".help") for a in args):
+        return args  # a help request stops after parsing by itself (exit 0)
     return [*args, "--print_config"] if args[0] in (*SUBCOMMANDS, *TOOLS) else args
 
 
