@@ -59,7 +59,7 @@ from torch import Tensor
 from ..atomic import NotWritableError, check_writable
 from ..distributed.sharding import is_sharded
 from ..signals import SIGNAL_NAMES, SignalExit, SignalGuard, signal_name
-from .throughput import log_every_n_steps
+from .throughput import step_cadence
 
 __all__ = ["FaultTolerance", "NonFiniteLossError", "NonFiniteWeightsError", "PeerWatchdog", "SignalExit"]
 
@@ -283,9 +283,6 @@ _COMMUNICATION_ERRORS = ("Connection reset", "Connection closed", "Broken pipe",
 # --------------------------------------------------------------------------------------------
 # The callback
 # --------------------------------------------------------------------------------------------
-
-
-_FALLBACK_CHECK_STEPS = 50  # when the Trainer logs nothing (log_every_n_steps=0)
 
 
 class NonFiniteWatch:
@@ -580,7 +577,7 @@ class FaultTolerance(L.Callback):
         if self._watch is not None:
             self._watch.step_ended(trainer.global_step)
         several = _distributed(trainer)
-        every = self.check_every_n_steps or log_every_n_steps(trainer) or _FALLBACK_CHECK_STEPS
+        every = self.check_every_n_steps or step_cadence(trainer)
         if trainer.global_step % every == 0 or (self._signum and not several):
             self._check(trainer)
 

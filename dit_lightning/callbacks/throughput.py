@@ -58,6 +58,13 @@ def log_every_n_steps(trainer: L.Trainer) -> int:
     return trainer.log_every_n_steps  # type: ignore[attr-defined]
 
 
+def step_cadence(trainer: L.Trainer) -> int:
+    """Optimiser steps between the points where the step's results are read: the logging cadence,
+    or every ``_FALLBACK_WINDOW_STEPS`` when the Trainer logs nothing."""
+    every = log_every_n_steps(trainer)
+    return every if every > 0 else _FALLBACK_WINDOW_STEPS
+
+
 def is_log_step(trainer: L.Trainer, stepped: bool) -> bool:
     """True on the micro-batch that completes an optimiser step Lightning logs at: with
     ``log_every_n_steps=N`` Lightning writes its step metrics when ``global_step % N == 0``
