@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 import warnings
@@ -36,6 +37,7 @@ from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
+from .models.repa import Projector, REPAOptions, alignment_loss
 from .precision import compute_dtype, grad_scaler, is_fp16, pending_grad_scale, set_tf32
 from .sampling import Sampler, SamplingOptions, is_flow_sampler, sample_latents, sampling_options
 from .schedules import WarmupDecayLR
@@ -138,6 +140,10 @@ class DiTModule(L.LightningModule):
             min(SNR, min_snr_gamma) / SNR, Hang et al. 2023; the variance's vb term unchanged);
             "velocity" or "likelihood" (flow with noise or score prediction: SiT's weights).
         min_snr_gamma: gamma of min_snr (5 in the paper).
+        repa: REPA (representation alignment, docs/recipes.md): ``encoder`` (unset: off), its local
+            ``weights``, ``depth`` (8), ``coeff`` (0.5), ``projector_dim`` (2048). The projector trains
+            with the network and is saved in checkpoints, never in exports; the encoder's features
+            come from the store (``extract --repa_encoder``) or are computed online.
     """
 
     def __init__(
@@ -186,6 +192,7 @@ class DiTModule(L.LightningModule):
         sample_eps: Optional[float] = None,
         loss_weighting: LossWeighting = "none",
         min_snr_gamma: float = 5.0,
+        repa: Optional[REPAOptions] = None,
     ) -> None:
         super().__init__()
         # A plain list, not a tuple, so that hparams.yaml reads back with yaml.safe_load.
@@ -207,6 +214,20 @@ class DiTModule(L.LightningModule):
                 rank_zero_info(f"objective flow: default sampler {_FLOW_DEFAULT_SAMPLER} (model.sampler)")
                 sampler = _FLOW_DEFAULT_SAMPLER
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # Under LightningCLI save_hyperparameters records the parsed config, not these locals: the record
+        # must say what runs (a flow model's sampler and variance), so set what the objective changed.
+        repa_options = _repa_options(repa)
+        self._repa_encoder: dict[str, nn.Module] = {}  # a plain dict: the frozen encoder stays out of the state dict
+        if repa_options is not None and repa_options.feature_dim is None:
+            repa_options = self._probe_repa_encoder(repa_options, latent_shape, vae)
+        records: tuple[Any, ...] = (self.hparams, self._hparams_initial)
+        for record in records:  # the checkpoint's and the logger's (hparams.yaml)
+            record.update(
+                learn_sigma=learn_sigma,
+                sampler=sampler,
+                repa=dataclasses.asdict(repa_options) if repa_options is not None else None,
+            )
+        self.repa = repa_options
         if len(latent_shape) != 3 or latent_shape[1] != latent_shape[2]:
             raise ValueError(f"latent_shape must be (C, H, H) with square latents, got {latent_shape}")
         self.model: DiT = build_dit(
@@ -253,6 +274,61 @@ class DiTModule(L.LightningModule):
             if initial is not None and initial.ema is not None:
                 load_dit_weights(self.ema, self._init_weights(initial.ema), source=f"EMA weights of '{init_from}'")
         self._decoder_cache: dict[str, nn.Module] = {}  # a plain dict: keeps the VAE out of the state dict
+        self.repa_projector: Optional[Projector] = None
+        self._repa_hidden: Optional[dict[str, Tensor]] = None  # the aligned block's output, while a loss is computed
+        if self.repa is not None:
+            self.repa.check(len(self.model.blocks))
+            assert self.repa.feature_dim is not None
+            self.repa_projector = Projector(self.model.hidden_size, self.repa.projector_dim, self.repa.feature_dim)
+            # registered once (not per step), so compiled blocks keep their graph
+            self.model.blocks[self.repa.depth - 1].register_forward_hook(self._keep_repa_hidden)
+            self._check_repa_tokens()
+
+    # ---- REPA ------------------------------------------------------------------------------
+    def _probe_repa_encoder(self, options: REPAOptions, latent_shape: Sequence[int], vae: Optional[str]) -> REPAOptions:
+        """Load the frozen encoder once to read its feature width (recorded, so that checkpoints load
+        without it) and its token count, checked against the DiT's when the network exists."""
+        from .models.encoders import feature_shape, load_encoder
+
+        encoder = load_encoder(options)
+        self._repa_encoder["encoder"] = encoder
+        tokens, width = feature_shape(encoder, _image_shape(latent_shape, vae))
+        self._repa_tokens = tokens
+        return dataclasses.replace(options, feature_dim=width)
+
+    def _check_repa_tokens(self) -> None:
+        tokens = getattr(self, "_repa_tokens", None)
+        mine = (self.model.input_size // self.model.patch_size) ** 2
+        if tokens is not None and tokens != mine:
+            raise ValueError(
+                f"REPA: encoder {self.repa.encoder if self.repa else ''} gives {tokens} patch features per image and "
+                f"the DiT has {mine} tokens; they must match one to one: set model.repa.image_size so that the "
+                f"encoder's patch grid is {self.model.input_size // self.model.patch_size}x"
+                f"{self.model.input_size // self.model.patch_size} (DINOv2 at 224 px for 256 px images and patch 2)"
+            )
+
+    def _keep_repa_hidden(self, _block: nn.Module, _args: Any, out: Tensor) -> None:
+        # the first output of the pass being measured; activation recomputation re-runs the block later
+        if self._repa_hidden is not None:
+            self._repa_hidden.setdefault("h", out)
+
+    def repa_encoder(self) -> nn.Module:
+        """The frozen encoder on this module's device (loaded on first use when a checkpoint recorded it)."""
+        if "encoder" not in self._repa_encoder:
+            from .models.encoders import load_encoder
+
+            assert self.repa is not None
+            self._repa_encoder["encoder"] = load_encoder(self.repa)
+        encoder = self._repa_encoder["encoder"]
+        return encoder.to(self.device)
+
+    def repa_features(self, batch: dict[str, Tensor]) -> Tensor:
+        """The encoder's patch features of the batch's clean images: precomputed by ``extract``
+        (``batch["repa"]``, the flip the batch holds) or computed now from the decoded latents."""
+        if "repa" in batch:
+            return batch["repa"]
+        with torch.no_grad():
+            return self.repa_encoder()(self.decode(batch["x"]))
 
     def _init_weights(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
         """``init_from``'s weights for this network: a flow model also takes SiT's layout (2C outputs,
@@ -362,8 +438,15 @@ class DiTModule(L.LightningModule):
             return False
         return True
 
-    def configure_optimizers(self) -> Any:
+    def trained_parameters(self) -> list[nn.Parameter]:
+        """What the optimiser steps: the DiT's trainable weights and REPA's projector."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.repa_projector is not None:
+            params += list(self.repa_projector.parameters())
+        return params
+
+    def configure_optimizers(self) -> Any:
+        params = self.trained_parameters()
         if self.optimizer_factory is not None:
             factory: Any = self.optimizer_factory  # OptimizerCallable: calling it with fused= is a partial's override
             keywords = getattr(factory, "keywords", {})
@@ -458,7 +541,18 @@ class DiTModule(L.LightningModule):
     def training_losses(self, batch: dict[str, Tensor], step: int) -> dict[str, Tensor]:
         """The objective of one (micro-)batch at optimiser step ``step``: ``loss`` and the terms to log
         (subclasses change the objective here, e.g. distillation; the step around it stays)."""
-        return self.diffusion_loss(self.model, batch, step, train=True)
+        if self.repa is None or self.repa_projector is None:
+            return self.diffusion_loss(self.model, batch, step, train=True)
+        features = self.repa_features(batch)
+        self._repa_hidden = {}
+        try:
+            terms = self.diffusion_loss(self.model, batch, step, train=True)
+            hidden = self._repa_hidden["h"]
+        finally:
+            self._repa_hidden = None
+        # REPA's loss.py: mean over the batch of each sample's mean negative cosine similarity
+        repa = alignment_loss(self.repa_projector(hidden), features.to(hidden.device)).mean()
+        return {**terms, "loss": terms["loss"] + self.repa.coeff * repa, "denoising": terms["loss"], "repa": repa}
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Union[Tensor, dict[str, Tensor]]:
         """One (micro-)batch of the optimiser step: Lightning accumulates, reduces the gradients (DDP's
@@ -718,6 +812,20 @@ def _objective(
         time_mean=float(time_mean),
         time_std=float(time_std),
     )
+
+
+def _repa_options(repa: Union[None, REPAOptions, dict[str, Any]]) -> Optional[REPAOptions]:
+    """REPA's options (None: off); a checkpoint's record is a plain dict."""
+    if isinstance(repa, dict):
+        repa = REPAOptions(**repa)
+    return repa if repa is not None and repa.enabled else None
+
+
+def _image_shape(latent_shape: Sequence[int], vae: Optional[str]) -> tuple[int, int, int]:
+    """(C, H, W) of the images behind latents of ``latent_shape``: the latents themselves for pixel
+    stores, RGB at 8x the side for the SD VAEs."""
+    c, h, w = (int(v) for v in latent_shape)
+    return (c, h, w) if is_pixel_space(vae) else (3, 8 * h, 8 * w)
 
 
 @contextlib.contextmanager

@@ -102,6 +102,22 @@ def shard_dit(
     return net
 
 
+def _mp_policy(opts: dict[str, Any]) -> dict[str, Any]:
+    """The ``mp_policy`` keyword of an auxiliary module's ``fully_shard`` (none without dtypes)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if opts.get("param_dtype") is None and opts.get("reduce_dtype") is None:
+        return {}
+    low = opts.get("param_dtype") not in (None, torch.float32)
+    return {
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=opts.get("param_dtype"),
+            reduce_dtype=opts.get("reduce_dtype"),
+            output_dtype=torch.float32 if low else None,
+        )
+    }
+
+
 def is_fsdp2(module: nn.Module) -> bool:
     """True if any parameter of ``module`` is a DTensor (it was ``fully_shard``-ed)."""
     return any(_is_dtensor(p) for p in module.parameters())
@@ -135,6 +151,8 @@ def configure_sharding(pl_module: Any) -> bool:
     dp_mesh = _fsdp2_mesh(mesh["data_parallel"], opts.pop("hybrid_shard_size", None), device)
     sync = opts.pop("sync_module_states", True)
     after_forward = opts.get("reshard_after_forward", True)
+    from torch.distributed.fsdp import fully_shard
+
     for _, net in _dit_children(pl_module):
         if sync:
             _broadcast_from_rank0(net, device)
@@ -149,6 +167,14 @@ def configure_sharding(pl_module: Any) -> bool:
             reshard_after_forward=after_forward if trained else True,
             root_reshard_after_forward=not trained,
         )
+    for _name, child in pl_module.named_children():
+        # trained modules beside the DiTs (REPA's projector, distillation's feature projections):
+        # one FSDP2 unit each, so their gradients are reduced and their optimiser state sharded too
+        if isinstance(child, DiT) or not any(p.requires_grad for p in child.parameters()):
+            continue
+        if sync:
+            _broadcast_from_rank0(child, device)
+        fully_shard(child, mesh=dp_mesh, reshard_after_forward=True, **_mp_policy(opts))
     n = sum(p.numel() for p in pl_module.parameters())
     local = sum((p.to_local() if _is_dtensor(p) else p).numel() for p in pl_module.parameters())
     rank_zero_info(f"FSDP2: sharded {n:,} parameter elements over {dp_mesh.size()} ranks ({local:,} on rank 0)")

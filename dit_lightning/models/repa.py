@@ -1,0 +1,149 @@
+"""REPA: representation alignment (Yu et al. 2024, "Representation Alignment for Generation").
+
+The hidden states after block ``depth`` of the DiT, mapped by a small MLP (the projector), are pulled
+towards the patch features a frozen pretrained encoder (DINOv2 on ImageNet) gives the clean image:
+the loss adds ``coeff`` x the mean negative cosine similarity, per token, of the two. The projector
+trains with the network and is dropped after training (the DiT alone samples).
+
+This file holds the parts that are plain PyTorch: the options, the projector, the loss, the frozen
+encoder's interface and a small encoder for the digits demo. :mod:`dit_lightning.models.encoders`
+loads the real encoders (timm, transformers, a class path) from local files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class REPAOptions:
+    """The REPA settings (``--model.repa.*``); no ``encoder``: REPA is off.
+
+    Args:
+        encoder: the frozen encoder whose patch features the DiT aligns with: ``dinov2-vitb14`` (REPA's
+            ImageNet choice, timm's ViT-B/14 DINOv2), any timm model name, a ``save_pretrained``
+            directory (transformers), or a class path (an ``nn.Module`` mapping images in [0, 1] to
+            (N, T, D) patch features, e.g. ``dit_lightning.models.repa.DigitsEncoder``).
+        weights: the encoder's local weights file (timm names and class paths; a ``save_pretrained``
+            directory holds its own). Nothing is downloaded.
+        depth: align the hidden states after this many blocks (8 in REPA for SiT-XL/2's 28).
+        coeff: weight of the alignment loss (0.5 in REPA).
+        projector_dim: width of the projector MLP (2048 in REPA).
+        image_size: the encoder's input side; unset: the encoder's own (224 for DINOv2, REPA's
+            resize of 256 px images).
+        feature_dim: the width of the encoder's features; unset: read from the encoder (checkpoints
+            record it, so that they load, sample and resume without the encoder).
+    """
+
+    encoder: Optional[str] = None
+    weights: Optional[str] = None
+    depth: int = 8
+    coeff: float = 0.5
+    projector_dim: int = 2048
+    image_size: Optional[int] = None
+    feature_dim: Optional[int] = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.encoder)
+
+    def check(self, num_blocks: int) -> None:
+        """Refuse settings that cannot work with a DiT of ``num_blocks`` blocks."""
+        if not 1 <= self.depth <= num_blocks:
+            raise ValueError(
+                f"model.repa.depth {self.depth}: the DiT has {num_blocks} blocks; align after block 1..{num_blocks} "
+                "(REPA uses 8 of SiT-XL/2's 28)"
+            )
+        if self.coeff < 0:
+            raise ValueError(f"model.repa.coeff must be >= 0, got {self.coeff}")
+        if self.projector_dim < 1:
+            raise ValueError(f"model.repa.projector_dim must be positive, got {self.projector_dim}")
+
+
+class Projector(nn.Sequential):
+    """REPA's projector: Linear -> SiLU -> Linear -> SiLU -> Linear, from the DiT's width to the
+    encoder's feature width, applied to every token; Xavier-uniform weights and zero biases (the
+    initialisation REPA's network applies to all its linear layers)."""
+
+    def __init__(self, hidden_size: int, projector_dim: int, feature_dim: int) -> None:
+        super().__init__(
+            nn.Linear(hidden_size, projector_dim),
+            nn.SiLU(),
+            nn.Linear(projector_dim, projector_dim),
+            nn.SiLU(),
+            nn.Linear(projector_dim, feature_dim),
+        )
+        for layer in self:
+            if isinstance(layer, nn.Linear):
+                nn.init.xavier_uniform_(layer.weight)
+                nn.init.zeros_(layer.bias)
+
+
+def alignment_loss(projected: Tensor, features: Tensor) -> Tensor:
+    """Per-sample REPA loss: the mean over tokens of ``-cos(projected token, encoder token)``,
+    (N, T, D) x (N, T, D) -> (N,). REPA's ``loss.py`` averages it over the batch."""
+    if projected.shape != features.shape:
+        raise ValueError(
+            f"REPA: the projected DiT tokens {tuple(projected.shape)} and the encoder's patch features "
+            f"{tuple(features.shape)} differ: the encoder must give one feature per DiT token"
+        )
+    p = F.normalize(projected.float(), dim=-1)
+    f = F.normalize(features.float(), dim=-1)
+    return -(p * f).sum(dim=-1).mean(dim=1)
+
+
+class FeatureEncoder(nn.Module):
+    """A frozen encoder as REPA uses it: images in [0, 1], (N, C, H, W) -> patch features (N, T, D).
+    Subclasses (:mod:`.encoders`) wrap timm / transformers models with their normalisation."""
+
+    feature_dim: int
+    num_tokens: int
+
+
+class DigitsEncoder(nn.Module):
+    """A small convolutional encoder for 8x8 digits: 4x4 patch features of width ``width`` (16 tokens,
+    one per 2x2 patch: the demo DiT's tokens) and a classification head used to train it. The
+    stand-in for DINOv2 on the digits demo (``benchmarks/bench_recipes.py`` trains it once on the
+    store's train split)."""
+
+    def __init__(self, width: int = 64, num_classes: int = 10, in_channels: int = 1) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 32, 3, padding=1),
+            nn.GELU(),
+            nn.Conv2d(32, width, 2, stride=2),
+            nn.GELU(),
+            nn.Conv2d(width, width, 3, padding=1),
+        )
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        """Images in [0, 1], (N, C, 8, 8) -> (N, 16, width) patch features."""
+        z = self.features(images * 2 - 1)
+        return z.flatten(2).transpose(1, 2)
+
+    def logits(self, images: Tensor) -> Tensor:
+        return self.head(F.gelu(self.forward(images)).mean(dim=1))
+
+
+def train_digits_encoder(
+    images: Tensor, labels: Tensor, steps: int = 400, batch_size: int = 128, seed: int = 0
+) -> DigitsEncoder:
+    """Train :class:`DigitsEncoder` as a classifier on ``images`` in [0, 1] (N, 1, 8, 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        net = DigitsEncoder(num_classes=int(labels.max()) + 1, in_channels=images.shape[1])
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=1e-4)
+    for _ in range(steps):
+        idx = torch.randint(0, images.shape[0], (batch_size,), generator=gen)
+        loss = F.cross_entropy(net.logits(images[idx]), labels[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return net.eval()
