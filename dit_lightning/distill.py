@@ -70,6 +70,11 @@ class DistillationModule(DiTModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)  # saves every argument, ours included, as hyper-parameters
+        if self.repa is not None and teacher is not None:
+            raise ValueError(
+                "model.repa with distillation: the student learns from the teacher here, and REPA's alignment is "
+                "not part of the distillation objective; unset model.repa.encoder, or train with DiTModule"
+            )
         self.alpha_diffusion = float(alpha_diffusion)
         self.alpha_output = float(alpha_output)
         self.alpha_variance = float(alpha_output if alpha_variance is None else alpha_variance)

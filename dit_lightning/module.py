@@ -438,12 +438,13 @@ class DiTModule(L.LightningModule):
             return False
         return True
 
-    def trained_parameters(self) -> list[nn.Parameter]:
-        """What the optimiser steps: the DiT's trainable weights and REPA's projector."""
+    def trained_parameters(self) -> list[Any]:
+        """What the optimiser steps: the DiT's trainable weights (group 0, the reference checkpoint's
+        optimiser state) and REPA's projector in a group of its own (dropped by exports)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.repa_projector is not None:
-            params += list(self.repa_projector.parameters())
-        return params
+        if self.repa_projector is None:
+            return params
+        return [{"params": params}, {"params": list(self.repa_projector.parameters())}]
 
     def configure_optimizers(self) -> Any:
         params = self.trained_parameters()

@@ -127,9 +127,20 @@ def _from_lightning(path: str, ckpt: dict[str, Any], fmt: Format) -> DiTCheckpoi
     data = ckpt.get("datamodule_hyper_parameters")
     if isinstance(data, dict):  # the store the run trained on (export reads its class names)
         meta["datamodule"] = dict(data)
-    return DiTCheckpoint(
-        path, fmt, model, ema or None, dict(hp) if isinstance(hp, dict) else {}, states[0] if states else None, meta
-    )
+    state = states[0] if states else None
+    if state is not None and any(k.startswith("repa_projector.") for k in sd):
+        state = _dit_optimizer_state(state)
+    return DiTCheckpoint(path, fmt, model, ema or None, dict(hp) if isinstance(hp, dict) else {}, state, meta)
+
+
+def _dit_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The optimiser state of the DiT's weights alone: a REPA run's projector trains in a second
+    parameter group, which is no part of the network (nor of its reference checkpoint)."""
+    groups = state.get("param_groups") or []
+    if len(groups) < 2:
+        return state
+    keep = set(groups[0]["params"])
+    return {**state, "param_groups": groups[:1], "state": {k: v for k, v in state["state"].items() if k in keep}}
 
 
 def read_checkpoint(

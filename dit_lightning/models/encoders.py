@@ -144,8 +144,8 @@ def _timm_encoder(name: str, options: REPAOptions) -> FrozenEncoder:
     dinov2 = "dinov2" in name
     kwargs: dict[str, Any] = {"num_classes": 0}
     size = options.image_size or (_DINOV2_SIZE if dinov2 else None)
-    if size is not None and dinov2:
-        kwargs["img_size"] = size  # timm interpolates DINOv2's 518 px position embeddings
+    if size is not None and name.startswith(("vit", "eva", "deit")):
+        kwargs["img_size"] = size  # timm's ViTs resample their position embeddings (DINOv2's 518 px ones too)
     try:
         net = timm.create_model(name, pretrained=True, pretrained_cfg_overlay={"file": options.weights}, **kwargs)
     except RuntimeError as e:

@@ -148,6 +148,11 @@ class PlanOptions:
     ema: bool = True
     attention: AttentionKind = "auto"
     device: DeviceKind = "cuda"
+    # REPA (docs/recipes.md): the projector's width (None: no REPA), the encoder's feature width, and
+    # the frozen encoder's parameters when it runs online (0: its features come from the store)
+    repa_projector_dim: Optional[int] = None
+    repa_feature_dim: int = 768
+    repa_encoder_params: int = 0
 
     @classmethod
     def of(cls, options: Union[PlanOptions, str, None] = None, **levers: Any) -> PlanOptions:
@@ -442,6 +447,24 @@ def _optimizer_bytes(name: str, trainable: int) -> tuple[int, str]:
     raise ValueError(f"unknown optimizer '{name}': adamw, adamw8bit or sgd")
 
 
+def repa_costs(o: PlanOptions, micro_batch: int, mixed: bool) -> dict[str, int]:
+    """What REPA adds to a step: the projector's parameters (trained, no EMA), its saved activations
+    and the encoder features of a micro-batch, the online encoder's frozen fp32 weights, and the
+    FLOPs per image of the projector (forward and backward) and of the online encoder (forward)."""
+    if not o.repa_projector_dim:
+        return dict(projector_params=0, activations=0, encoder_bytes=0, flops=0)
+    d, p, z, t = o.shape.hidden_size, o.repa_projector_dim, o.repa_feature_dim, o.shape.tokens
+    macs = d * p + p * p + p * z  # per token
+    act = micro_batch * t * ((4 * p + z) * (2 if mixed else 4) + 4 * z)  # Linear/SiLU outputs + the fp32 features
+    return dict(
+        projector_params=macs + 2 * p + z,
+        activations=act,
+        encoder_bytes=4 * o.repa_encoder_params,
+        # 2 FLOPs per MAC, x3 for forward + backward; a ViT encoder's forward ~ 2 x params FLOPs per token
+        flops=6 * t * macs + 2 * o.repa_encoder_params * t,
+    )
+
+
 def _state_bytes(pc: dict[str, int], shards: int, optimizer: str, ema: bool) -> dict[str, int]:
     """fp32 weights, fp32 gradients, optimiser states and the fp32 EMA held between steps,
     each divided by the number of ranks that shard them (1: replicated)."""
@@ -558,6 +581,14 @@ def plan_memory(
     # ---- static state (sharded by FSDP) -------------------------------------------------
     state = _state_bytes(pc, w, optimizer, ema)
     params, grads_full, opt_states, ema_bytes = state["params"], state["grads"], state["optimizer"], state["ema"]
+    repa = repa_costs(o, micro_batch, is_mixed(precision))
+    if repa["projector_params"]:  # trained beside the DiT (sharded alike), no EMA; the online encoder replicated
+        proj = _state_bytes(
+            {"total": repa["projector_params"], "trainable": repa["projector_params"]}, w, optimizer, False
+        )
+        params += proj["params"] + repa["encoder_bytes"]
+        grads_full += proj["grads"]
+        opt_states += proj["optimizer"]
     g_blk = 4 * p_blk // w
     g_tail = 4 * pc["tail"] // w
     buckets = 4 * p_train if (ddp and not ddp_gradient_as_bucket_view) else 0
@@ -569,7 +600,7 @@ def plan_memory(
     a_full = sum(blk_terms.values())
     a_ckpt = checkpointed_block_bytes(shape, n)
     nb_terms = nonblock_activation_terms(shape, n, mixed)
-    a_nonblock = sum(nb_terms.values())
+    a_nonblock = sum(nb_terms.values()) + repa["activations"]  # REPA's projector: alive until its backward
     ckpt = set(recomputed)
     a_blocks = [a_ckpt if i in ckpt else a_full for i in range(shape.depth)]
     # autocast keeps 16-bit copies of matmul weights; FSDP's mixed precision replaces them
@@ -653,6 +684,16 @@ def plan_memory(
             1,
             "QK-norm: each block also keeps the LayerNorm'd q and k and their statistics"
             + (" (LayerNorm in fp32 under CUDA autocast)" if mixed and device == "cuda" else ""),
+        )
+    if repa["projector_params"]:
+        assumptions.append(
+            f"REPA: projector {repa['projector_params']:,} parameters (trained, no EMA), its activations and the "
+            "features of the micro-batch"
+            + (
+                f"; the encoder online ({o.repa_encoder_params:,} frozen fp32 parameters, its forward outside the peak)"
+                if o.repa_encoder_params
+                else "; encoder features precomputed in the store"
+            )
         )
     if ddp:
         assumptions.append(
