@@ -30,6 +30,8 @@ from torch import nn
 
 from ..atomic import check_writable, make_directory, remove_stale_temporaries, write_json
 from ..checkpoints import load_dit
+from ..checkpoints.architecture import LoadedDiT
+from ..diffusion import FlowMatching, PathType, Prediction
 from ..images import existing_samples, save_sample, to_uint8, write_grid, write_npz_from_pngs
 from ..ranks import join_torchrun_group, rank_indices, resolve_device, resolve_rank
 from ..sampling import (
@@ -122,6 +124,22 @@ def _check_arguments(**values: Any) -> None:
             raise ValueError(f"--{name} {value}: must be at least {least[name]}{hint}")
 
 
+def declared_flow(
+    loaded: LoadedDiT, objective: Optional[str], path_type: str = "linear", prediction: str = "velocity"
+) -> Optional[FlowMatching]:
+    """The flow objective to sample ``loaded`` with: the one it records, else the declared one (a raw
+    file records nothing); a declaration that contradicts the record is refused."""
+    recorded = loaded.objective
+    if objective is not None and recorded is not None and objective != recorded:
+        raise ValueError(
+            f"--objective {objective}: checkpoint '{loaded.checkpoint.path}' records objective {recorded}; drop "
+            "--objective (it is for files that record nothing, like a released raw state dict)"
+        )
+    if recorded is not None or objective != "flow":
+        return loaded.flow
+    return FlowMatching(path_type=path_type, prediction=prediction)  # type: ignore[arg-type]  # checked there
+
+
 def sample(
     checkpoint: str,
     output: str,
@@ -139,6 +157,9 @@ def sample(
     grid_nrow: Optional[int] = None,
     write_npz: bool = True,
     progress: bool = True,
+    objective: Optional[Literal["ddpm", "flow"]] = None,
+    path_type: PathType = "linear",
+    prediction: Prediction = "velocity",
     **sampling: Any,
 ) -> dict[str, Any]:
     """Sample images from a DiT checkpoint into ``output`` (PNGs, grid, ADM ``.npz``).
@@ -172,6 +193,11 @@ def sample(
         write_npz: assemble ``samples.npz`` once every PNG exists (rank 0 after a barrier
             under torchrun; otherwise whichever process finds the set complete).
         progress: print progress to stderr.
+        objective: what trained a checkpoint that does not record it (a released raw state dict:
+            ``flow`` for SiT's ``SiT-XL-2-256x256.pt``; DDPM when unset). A checkpoint that records its
+            objective is sampled as it says, and a contradicting value is refused.
+        path_type / prediction: the flow's interpolant and output of such a file (SiT's: linear,
+            velocity); its default sampler is SiT's ``sde-euler``.
     """
     t_start = time.perf_counter()
     options = SamplingOptions(**sampling)  # jsonargparse reads the flat flags off this call
@@ -201,7 +227,11 @@ def sample(
         if scale_factor is None:
             scale_factor = 1.0 if pixels else (loaded.scale_factor or DEFAULT_SCALE_FACTOR)
         scale = float(scale_factor)
-        model_defaults = SamplingOptions.from_hparams({**loaded.sampling_defaults, "vae": vae_name}, net.in_channels)
+        flow = declared_flow(loaded, objective, path_type, prediction)
+        defaults = dict(loaded.sampling_defaults)
+        if flow is not None and "sampler" not in defaults:
+            defaults["sampler"] = "sde-euler"  # SiT's FID sampler, as for a flow DiTModule
+        model_defaults = SamplingOptions.from_hparams({**defaults, "vae": vae_name}, net.in_channels)
         opts = options.over(model_defaults).resolved()
         plan = parse_labels(labels, net.num_classes, opts.seed)
         if num_samples is None:
@@ -233,6 +263,7 @@ def sample(
             "num_heads": loaded.config["num_heads"],
             "noise_schedule": loaded.noise_schedule,
             "diffusion_steps": loaded.diffusion_steps,
+            "objective": "flow" if flow is not None else "ddpm",
         }
         _check_or_write_config(out / "sample_config.json", config)
 
@@ -259,7 +290,7 @@ def sample(
                 y = plan(idx)
                 latents = sample_latents(
                     net, y, idx, options=opts, noise_schedule=loaded.noise_schedule,
-                    diffusion_steps=loaded.diffusion_steps, flow=loaded.flow,  # a flow model samples as one
+                    diffusion_steps=loaded.diffusion_steps, flow=flow,  # a flow model samples as one
                 )  # fmt: skip
                 images = to_uint8(decode_latents(latents, vae_model if vae_model is not None else vae_name, scale))
                 for k, (i, c) in enumerate(zip(idx.tolist(), y.tolist())):

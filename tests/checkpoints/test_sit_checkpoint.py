@@ -87,3 +87,26 @@ def test_the_diffusers_export_refuses_a_flow_model(tmp_path):
     with pytest.raises(NotExpressibleError, match="flow-matching model"):
         export_diffusers(ckpt, tmp_path / "pipe")
     assert not (tmp_path / "pipe").exists()
+
+
+def test_sample_declares_the_objective_of_a_raw_sit_file(tmp_path):
+    import json
+
+    from dit_lightning.commands.sample import sample
+    from tests.helpers.data import make_tiny_vae
+
+    torch.save(sit_state_dict(**SMALL), tmp_path / "SiT-S-2.pt")  # records nothing: DDPM unless declared
+    vae = make_tiny_vae(str(tmp_path / "vae"))
+    common = dict(labels=[1, 2], num_steps=3, vae=vae, device="cpu", progress=False, write_npz=False, grid_size=2)
+    sample(str(tmp_path / "SiT-S-2.pt"), str(tmp_path / "flow"), objective="flow", **common)
+    config = json.loads((tmp_path / "flow" / "sample_config.json").read_text())
+    assert (config["objective"], config["sampler"]) == ("flow", "sde-euler")  # SiT's FID sampler by default
+    assert len(list((tmp_path / "flow" / "samples").glob("*.png"))) == 2
+    with pytest.raises(ValueError, match="samples flow-matching models"):
+        sample(str(tmp_path / "SiT-S-2.pt"), str(tmp_path / "ddpm"), sampler="ode-euler", **common)
+    args = argparse.Namespace(
+        model="SiT-S/2", path_type="Linear", prediction="velocity", image_size=64, num_classes=1000
+    )
+    torch.save({"model": sit_state_dict(**SMALL), "args": args}, tmp_path / "sit-train.pt")
+    with pytest.raises(ValueError, match="records objective flow"):
+        sample(str(tmp_path / "sit-train.pt"), str(tmp_path / "x"), objective="ddpm", **common)
