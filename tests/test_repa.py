@@ -164,3 +164,32 @@ def test_the_planner_counts_the_projector_and_an_online_encoder(encoder_file):
     online = plan_memory(options.replace(repa_encoder_params=1000))
     assert online.parameters - repa.parameters == 4000
     assert costs["flops"] == 6 * 16 * (32 * 16 + 16 * 16 + 16 * 64)
+
+
+def test_repa_under_the_levers_split_steps_recomputation_and_bf16(encoder_file):
+    data = DataLoader(DictDataset(16), batch_size=8)
+    plain, split = repa_module(encoder_file), repa_module(encoder_file)
+    split.load_state_dict(plain.state_dict())
+    trainer(max_steps=2, limit_val_batches=0).fit(plain, data)
+    # auto-fit's redoable step: each batch in micro-batches of 4, forward and backward apart
+    split.micro_batch_size, split.out_of_memory_handler = 4, lambda failure, step: None
+    trainer(max_steps=2, limit_val_batches=0).fit(split, data)
+    for (name, a), b in zip(plain.state_dict().items(), split.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6, msg=name)
+    # activation checkpointing re-runs the aligned block in the backward pass: the same gradients
+    grads = []
+    for spec in ("none", "all"):
+        module = repa_module(encoder_file, activation_checkpointing=spec)
+        module.load_state_dict(plain.state_dict())
+        module.training_losses(batch(8), step=0)["loss"].backward()
+        grads.append(
+            [
+                p.grad.clone()
+                for p in module.trained_parameters()[0]["params"] + module.trained_parameters()[1]["params"]
+            ]
+        )
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    mixed = repa_module(encoder_file)
+    trainer(max_steps=1, limit_val_batches=0, precision="bf16-mixed").fit(mixed, data)
+    assert all(torch.isfinite(p).all() for p in mixed.parameters())

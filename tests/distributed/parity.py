@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import sys
 import warnings
@@ -65,9 +66,34 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def build(data: str, seed: int = 0, optimizer: str = "adamw") -> tuple[DiTModule, LatentDataModule]:
+def repa_encoder_file(data: str) -> str:
+    """A random DigitsEncoder's weights, the same in every process (written atomically by each)."""
+    from dit_lightning.models.repa import DigitsEncoder
+
+    path = Path(data).parent / "repa_encoder.pt"
+    if not path.exists():
+        with torch.random.fork_rng():
+            torch.manual_seed(123)
+            net = DigitsEncoder()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(net.state_dict(), tmp)
+        os.replace(tmp, path)
+    return str(path)
+
+
+def build(
+    data: str, seed: int = 0, optimizer: str = "adamw", recipe: str = "ddpm"
+) -> tuple[DiTModule, LatentDataModule]:
+    """The tiny DiT on the digits; ``recipe="flow-repa"``: flow matching with REPA (block 1, a random
+    digits encoder), whose projector must train alike under every strategy."""
     L.seed_everything(seed, verbose=False)
     dm = LatentDataModule(data, global_batch_size=GLOBAL_BATCH, val_size=32, num_workers=0, random_flip=False)
+    objective: dict[str, Any] = {}
+    if recipe == "flow-repa":
+        from dit_lightning.models.repa import REPAOptions
+
+        repa = REPAOptions(encoder="dit_lightning.models.repa.DigitsEncoder", weights=repa_encoder_file(data), depth=1)
+        objective = dict(objective="flow", repa=dataclasses.replace(repa, projector_dim=32))
     module = DiTModule(
         model="custom",
         latent_shape=dm.latent_shape,
@@ -81,6 +107,7 @@ def build(data: str, seed: int = 0, optimizer: str = "adamw") -> tuple[DiTModule
         tf32=False,  # exact fp32 matmuls on GPUs too
         vae=dm.spec.vae,
         sample_steps=2,
+        **objective,
     )
     return module, dm
 
@@ -154,8 +181,10 @@ def dump(trainer_: L.Trainer, module: DiTModule, out: Path, name: str, **facts: 
         torch.save(state, out / f"{name}.pt")
 
 
-def run_ddp(args: argparse.Namespace, name: str = "ddp", accumulate: int = 1, static_graph: bool = False) -> None:
-    module, dm = build(args.data)
+def run_ddp(
+    args: argparse.Namespace, name: str = "ddp", accumulate: int = 1, static_graph: bool = False, recipe: str = "ddpm"
+) -> None:
+    module, dm = build(args.data, recipe=recipe)
     strategy = DiTDDPStrategy(static_graph=static_graph, process_group_backend="gloo")
     t = trainer(args.out, name, strategy, args.devices, args.num_nodes, accumulate_grad_batches=accumulate)
     t.fit(module, dm)
@@ -182,9 +211,10 @@ def _fsdp2(
     ckpt_path: Optional[str] = None,
     clip: Optional[float] = None,
     save_every: Optional[int] = None,
+    recipe: str = "ddpm",
     **options: Any,
 ) -> None:
-    module, dm = build(args.data, optimizer="sgd" if clip else "adamw")
+    module, dm = build(args.data, optimizer="sgd" if clip else "adamw", recipe=recipe)
     strategy = DiTFSDP2Strategy(process_group_backend="gloo", **options)
     callbacks = []
     if save_every:
@@ -267,8 +297,18 @@ def run_fsdp1_clip(args: argparse.Namespace) -> None:
     _fsdp1(args, "fsdp1_clip", clip=CLIP, sharding_strategy="SHARD_GRAD_OP", activation_checkpointing=True)
 
 
+def run_ddp_flow_repa(args: argparse.Namespace) -> None:
+    run_ddp(args, "ddp_flow_repa", recipe="flow-repa")
+
+
+def run_fsdp2_flow_repa(args: argparse.Namespace) -> None:
+    _fsdp2(args, "fsdp2_flow_repa", recipe="flow-repa")
+
+
 RUNS = {
     "ddp": run_ddp,
+    "ddp_flow_repa": run_ddp_flow_repa,
+    "fsdp2_flow_repa": run_fsdp2_flow_repa,
     "ddp_accum": run_ddp_accum,
     "fsdp2": run_fsdp2,
     "fsdp2_resume": run_fsdp2_resume,
@@ -282,10 +322,15 @@ RUNS.update(GPU_RUNS)
 
 
 def reference(
-    data: str, out: Path, name: str = "single", clip: Optional[float] = None, accelerator: str = "cpu"
+    data: str,
+    out: Path,
+    name: str = "single",
+    clip: Optional[float] = None,
+    accelerator: str = "cpu",
+    recipe: str = "ddpm",
 ) -> tuple[DiTModule, L.Trainer]:
     """The same training in one process with the whole global batch (micro-batch 16)."""
-    module, dm = build(data, optimizer="sgd" if clip else "adamw")
+    module, dm = build(data, optimizer="sgd" if clip else "adamw", recipe=recipe)
     kw = {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm"} if clip else {}
     t = trainer(out, name, accelerator=accelerator, **kw)  # type: ignore[arg-type]
     t.fit(module, dm)

@@ -125,6 +125,7 @@ def runs(store, tmp_path_factory):
         # Meanwhile, the references: one process, micro-batch = the global batch of 16.
         ref_module, ref_trainer = parity.reference(store, ref_dir)
         clip_module, _ = parity.reference(store, ref_dir, "single_clip", clip=parity.CLIP)
+        flow_module, _ = parity.reference(store, ref_dir, "single_flow_repa", recipe="flow-repa")
     except BaseException:
         for p in procs.values():
             p.kill()
@@ -137,6 +138,7 @@ def runs(store, tmp_path_factory):
         "ref": {**_state(ref_module, samples=True), "logged": parity.logged(ref_dir, "single")},
         "ref_opt": ref_trainer.optimizers[0].state_dict(),
         "ref_clip": {**_state(clip_module), "logged": parity.logged(ref_dir, "single_clip")},
+        "ref_flow_repa": {**_state(flow_module), "logged": parity.logged(ref_dir, "single_flow_repa")},
         "init": _state(parity.build(store)[0]),
         "init_sgd": _state(parity.build(store, optimizer="sgd")[0]),
         "ref_dir": ref_dir,
@@ -254,6 +256,16 @@ def test_fsdp2_two_ranks_equal_one_process(runs):
     assert runs["ref"]["logged"]["val/loss"]
     # sampling (with and without classifier-free guidance) from the sharded EMA
     torch.testing.assert_close(fsdp["samples"], runs["ref"]["samples"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("run", ["ddp_flow_repa", "fsdp2_flow_repa"])
+def test_flow_matching_with_repa_on_two_ranks_equals_one_process(runs, run):
+    got, ref = runs[run], runs["ref_flow_repa"]
+    assert ref["logged"]["train/loss"]
+    assert_same_weights(got, ref)  # the projector's gradients are reduced (else the ranks' DiTs would drift)
+    assert_same_logs(got["logged"], ref["logged"], keys=("train/loss", "train/grad_norm"))
+    if run.startswith("fsdp2"):
+        assert got["model_sharded"]
 
 
 def test_fsdp2_sharded_resume_equals_the_uninterrupted_run(runs):
