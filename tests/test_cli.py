@@ -126,8 +126,21 @@ def test_every_config_parses_on_top_of_the_demo(config, capsys):
     assert e.value.code == 0, capsys.readouterr().err
 
 
-def test_predict_and_test_from_a_checkpoint(tmp_path):
-    run_cli(fit_args(tmp_path, "run", 2), tmp_path)
+@pytest.mark.parametrize("recipe", ["ddpm", "flow-repa"])
+def test_predict_and_test_from_a_checkpoint(tmp_path, recipe):
+    objective = []
+    if recipe == "flow-repa":  # flow matching with REPA (a random digits encoder): its own samplers throughout
+        import torch
+
+        from dit_lightning.models.repa import DigitsEncoder
+
+        torch.save(DigitsEncoder().state_dict(), tmp_path / "encoder.pt")
+        objective = [
+            "--model.objective", "flow", "--model.repa.encoder", "dit_lightning.models.repa.DigitsEncoder",
+            "--model.repa.weights", str(tmp_path / "encoder.pt"), "--model.repa.depth", "1",
+            "--model.repa.projector_dim", "16",
+        ]  # fmt: skip
+    run_cli(fit_args(tmp_path, "run", 2, objective), tmp_path)
     ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
     out = tmp_path / "pred"
     run_cli(
@@ -136,6 +149,7 @@ def test_predict_and_test_from_a_checkpoint(tmp_path):
             "--config",
             DEMO,
             *TINY,
+            *objective,
             "--data.path",
             str(tmp_path / "digits"),
             "--data.predict_labels",
@@ -168,6 +182,7 @@ def test_predict_and_test_from_a_checkpoint(tmp_path):
             "--config",
             DEMO,
             *TINY,
+            *objective,
             "--data.path",
             str(tmp_path / "digits"),
             "--trainer.logger",
@@ -188,6 +203,7 @@ def test_predict_and_test_from_a_checkpoint(tmp_path):
     assert (
         saved["digits"]["samples"] == 20 and saved["checkpoint"] == str(ckpt) and saved["sampling"]["cfg_scale"] == 2.0
     )
+    assert saved["sampling"]["sampler"] == ("sde-euler" if recipe == "flow-repa" else "ddpm")
 
 
 def test_tool_commands_have_help():
