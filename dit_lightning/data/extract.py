@@ -117,6 +117,7 @@ class _Repa:
     def __init__(self, spec: st.RepaSpec, options: Any, dev: torch.device, encoder: Optional[FrozenEncoder]) -> None:
         self.spec, self.options, self.dev = spec, options, dev
         self._encoder = encoder
+        self._placed = False
 
     @property
     def encoder(self) -> FrozenEncoder:
@@ -124,7 +125,8 @@ class _Repa:
             from ..models.encoders import load_encoder
 
             self._encoder = load_encoder(self.options)
-        self._encoder = self._encoder.to(self.dev)
+        if not self._placed:
+            self._encoder, self._placed = self._encoder.to(self.dev), True
         return self._encoder
 
     @torch.inference_mode()
@@ -241,7 +243,7 @@ def _shard_images(
     pixels (and stored flips); VAE stores decode and crop the shard's source images again."""
     if is_pixel_space(spec.vae):
         for k in shards:
-            data = np.load(st._shard_paths(output, k)[0], mmap_mode="r")  # (n, F, K, C, H, W)
+            data = np.load(st.data_path(output, k), mmap_mode="r")  # (n, F, K, C, H, W)
             for a in range(0, counts[k], batch_size):
                 x = to_float32(np.ascontiguousarray(data[a : a + batch_size, :, 0]))  # (b, F, C, H, W) in [-1, 1]
                 yield k, (torch.from_numpy(x) + 1) / 2

@@ -242,6 +242,11 @@ def _shard_paths(root: str, k: int) -> tuple[str, str, str]:
     return base + ".npy", base + ".labels.npy", base + ".json"
 
 
+def data_path(root: PathLike, k: int) -> str:
+    """The data file (latents, or pixels) of shard ``k``."""
+    return _shard_paths(os.fspath(root), k)[0]
+
+
 def features_path(root: PathLike, k: int) -> str:
     """The REPA features file of shard ``k``."""
     return os.path.join(os.fspath(root), SHARD_DIR, shard_stem(k) + REPA_SUFFIX)
@@ -750,8 +755,11 @@ class LatentStore:
                 rname = self._repa_files[k]
                 rfix = self._features_fix(rname)
                 entry = record.get("repa") or {}
-                if checksums and entry.get("key") not in (None, self.repa.key):
-                    problems.append(f"REPA features file {rname}: its commit record names another encoder; {rfix}")
+                if checksums and entry.get("key") != self.repa.key:
+                    problems.append(
+                        f"REPA features file {rname}: the commit record of shard {k} does not commit features of "
+                        f"this store's encoder (key {entry.get('key')}, the index has {self.repa.key}); {rfix}"
+                    )
                     continue
                 problem = _check_file(rname, "REPA features file", entry.get("sha256") if checksums else None, rfix)
                 if problem is None and values:

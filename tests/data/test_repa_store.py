@@ -255,6 +255,14 @@ def test_vae_store_features_inline_and_added_later(env):
         np.testing.assert_allclose(
             s.read_features(np.arange(7), flip=f).astype(np.float32), _encode(RGB, weights, img), rtol=2e-3, atol=2e-4
         )
+    # a shard lost mid-extraction: resuming without the --repa_* arguments would leave it without features
+    resumed = str(root / "vae_resumed")
+    shutil.copytree(inline["output"], resumed)
+    os.remove(os.path.join(resumed, "shards", "shard-00001.json"))
+    with pytest.raises(st.StoreError, match="being extracted with REPA features.*resume with the same --repa_encoder"):
+        extract_latents(images, resumed, **args)
+    again = extract_latents(images, resumed, repa_encoder=RGB, repa_weights=weights, **args)
+    assert again["shards_written"] == 1 and _tree_bytes(resumed) == _tree_bytes(inline["output"])
     later = str(root / "vae_later")
     extract_latents(images, later, **args)  # latents only, long ago
     assert st.LatentStore(later).repa is None
