@@ -56,6 +56,8 @@ class LatentBatchDataset(Dataset):
     ``train=True``: random flip (when the store has flips and ``random_flip``) and a fresh
     posterior sample (variant "moments" and ``sample_posterior``), both keyed by
     (seed, epoch, index). ``train=False``: posterior mean, unflipped image.
+    ``repa`` (and a store with REPA features): the batch also holds ``repa``, the encoder's
+    features of the very flip ``x`` holds, float32 (B, T, D).
     """
 
     def __init__(
@@ -65,15 +67,21 @@ class LatentBatchDataset(Dataset):
         seed: int = 0,
         random_flip: bool = True,
         sample_posterior: bool = True,
+        repa: bool = True,
     ) -> None:
         self.store = store if isinstance(store, st.LatentStore) else st.LatentStore(store)
+        self.repa_shape: Optional[tuple[int, int]] = None  # (T, D) when batches carry features
+        if repa and self.store.repa is not None:
+            self.repa_shape = (self.store.repa.tokens, self.store.repa.dim)
         self.train, self.seed = train, int(seed)
         self.random_flip = random_flip and train and self.store.num_flips > 1
         self.sample_posterior = sample_posterior and train and self.store.variant == "moments"
         self.scale = float(self.store.scale_factor)
         self._kernel: Optional[NoiseKernel] = None
-        # (slots, micro_batch * C*H*W) float32 in shared memory, set by BatchDataLoader
+        # (slots, micro_batch * (C*H*W + T*D)) float32 in shared memory, set by BatchDataLoader: x
+        # first, the REPA features from column ``pool_repa_offset`` on
         self.pool: Optional[torch.Tensor] = None
+        self.pool_repa_offset = 0
 
     def __len__(self) -> int:
         return len(self.store)
@@ -87,6 +95,11 @@ class LatentBatchDataset(Dataset):
     def sample_numel(self) -> int:
         return int(np.prod(self.store.latent_shape))
 
+    @property
+    def repa_numel(self) -> int:
+        """Feature values per sample in a batch (T*D), 0 without features."""
+        return int(np.prod(self.repa_shape)) if self.repa_shape is not None else 0
+
     def __getitem__(self, request: Union[BatchRequest, np.ndarray]) -> dict[str, Any]:
         if not isinstance(request, BatchRequest):
             request = BatchRequest(np.asarray(request, dtype=np.int64).reshape(-1), 0)
@@ -96,19 +109,33 @@ class LatentBatchDataset(Dataset):
             # and pass its file descriptor over a socket for every tensor of every batch, which
             # costs more CPU than computing the batch.
             B = len(request.indices)
-            out = self.pool[request.slot, : B * self.sample_numel].numpy().reshape(B, -1)
-            x, y, idx = self._compute(request.indices, request.epoch, out)
+            row = self.pool[request.slot].numpy()
+            out = row[: B * self.sample_numel].reshape(B, -1)
+            off = self.pool_repa_offset
+            out_repa = row[off : off + B * self.repa_numel].reshape(B, -1) if self.repa_shape else None
+            x, y, idx, _ = self._compute(request.indices, request.epoch, out, out_repa)
             return {"slot": request.slot, "n": B, "y": y, "index": idx}
         return self.get_batch(request.indices, request.epoch)
 
     def _compute(
-        self, indices: np.ndarray, epoch: int, out: Optional[np.ndarray] = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self,
+        indices: np.ndarray,
+        epoch: int,
+        out: Optional[np.ndarray] = None,
+        out_repa: Optional[np.ndarray] = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]:
         idx = np.asarray(indices, dtype=np.int64)
         store = self.store
         B = len(idx)
         flip = flip_bits(self.seed, epoch, idx) if self.random_flip else 0
         raw = store.read(idx, flip=flip)  # (B, K, C, H, W) storage dtype
+        repa = None
+        if self.repa_shape is not None:
+            # the features of the same flip as x: the encoder saw the image x was encoded from
+            if out_repa is None:
+                out_repa = np.empty((B, self.repa_numel), np.float32)
+            np.copyto(out_repa.reshape(B, *self.repa_shape), store.read_features(idx, flip=flip))
+            repa = out_repa
         if out is None:
             out = np.empty((B, self.sample_numel), np.float32)
         if self.sample_posterior:
@@ -121,16 +148,19 @@ class LatentBatchDataset(Dataset):
             to_float32(raw[:, 0].reshape(B, -1), out=out)  # the mean (moments) or the stored sample
             if self.scale != 1.0:
                 out *= np.float32(self.scale)
-        return out, store.labels[idx], idx.copy()
+        return out, store.labels[idx], idx.copy(), repa
 
     def get_batch(self, indices: np.ndarray, epoch: int = 0) -> dict[str, torch.Tensor]:
         """Read and augment one batch (``indices`` preferably sorted: then no reordering copy)."""
-        x, y, idx = self._compute(indices, epoch)
-        return {
+        x, y, idx, repa = self._compute(indices, epoch)
+        batch = {
             "x": torch.from_numpy(x.reshape(len(idx), *self.store.latent_shape)),
             "y": torch.from_numpy(y),
             "index": torch.from_numpy(idx),
         }
+        if repa is not None and self.repa_shape is not None:
+            batch["repa"] = torch.from_numpy(repa.reshape(len(idx), *self.repa_shape))
+        return batch
 
 
 def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
@@ -240,8 +270,17 @@ class _CopyOut:
     reused and the batch stays valid however long the caller keeps it.
     """
 
-    def __init__(self, it: Iterator[Any], pool: torch.Tensor, shape: tuple[int, ...], pin: bool) -> None:
+    def __init__(
+        self,
+        it: Iterator[Any],
+        pool: torch.Tensor,
+        shape: tuple[int, ...],
+        pin: bool,
+        repa_shape: Optional[tuple[int, int]] = None,
+        repa_offset: int = 0,
+    ) -> None:
         self._it, self._shape, self._pin = it, shape, pin
+        self._repa_shape, self._repa_offset = repa_shape, repa_offset
         self._pool_np = pool.numpy()
 
     def __iter__(self) -> _CopyOut:
@@ -259,7 +298,13 @@ class _CopyOut:
         y, idx = torch.from_numpy(r["y"]), torch.from_numpy(r["index"])
         if self._pin:
             y, idx = y.pin_memory(), idx.pin_memory()
-        return {"x": x, "y": y, "index": idx}
+        batch = {"x": x, "y": y, "index": idx}
+        if self._repa_shape is not None:
+            repa = torch.empty((n, *self._repa_shape), dtype=torch.float32, pin_memory=self._pin)
+            a = self._repa_offset
+            np.copyto(repa.numpy().reshape(-1), self._pool_np[r["slot"], a : a + repa.numel()])
+            batch["repa"] = repa
+        return batch
 
     def __getattr__(self, name: str) -> Any:
         if name == "_it":
@@ -308,11 +353,14 @@ class BatchDataLoader(DataLoader):
             # New workers are about to be started: give them a fresh pool. (Workers of an older,
             # abandoned iterator may still be writing into theirs.)
             slots = self.num_workers * (self.prefetch_factor or 2) + 2
-            ds.pool = torch.empty((slots, sampler.micro_batch_size * ds.sample_numel), dtype=torch.float32)
+            b = sampler.micro_batch_size
+            ds.pool = torch.empty((slots, b * (ds.sample_numel + ds.repa_numel)), dtype=torch.float32)
             ds.pool.share_memory_()
+            ds.pool_repa_offset = b * ds.sample_numel  # features after x (set before the workers start)
             sampler.num_slots = slots
         it = super().__iter__()
-        return _CopyOut(it, ds.pool, tuple(ds.store.latent_shape), self._pin_out)  # type: ignore[arg-type]
+        shape = tuple(ds.store.latent_shape)
+        return _CopyOut(it, ds.pool, shape, self._pin_out, ds.repa_shape, ds.pool_repa_offset)  # type: ignore[arg-type]
 
 
 class LatentDataLoader(BatchDataLoader):
@@ -406,7 +454,10 @@ class LatentDataModule(L.LightningDataModule):
     """Loads a latent store (``dit-lightning extract``, or the digits demo) for DiT training.
 
     Batches are dicts ``{"x": float32 (B, C, H, W) scaled latents, "y": int64 (B,) labels,
-    "index": int64 (B,) global sample indices}``.
+    "index": int64 (B,) global sample indices}``, plus ``"repa"``: float32 (B, T, D), the REPA
+    encoder's patch features of the very flip ``x`` holds, when the store has features
+    (``extract --repa_encoder``; :attr:`repa_spec` says which encoder made them) and
+    ``repa_features``.
 
     Args:
         path: Store directory.
@@ -434,6 +485,8 @@ class LatentDataModule(L.LightningDataModule):
             record holds, and scan it for NaN / inf (reads the whole store once, split over the
             ranks). Opening a store always checks the files' sizes; ``dit-lightning verify`` does
             this check without training.
+        repa_features: Add the store's REPA features to the batches (``batch["repa"]``) when it has
+            them; False: leave them out (REPA then computes them online, or is off).
     """
 
     def __init__(
@@ -456,6 +509,7 @@ class LatentDataModule(L.LightningDataModule):
         predict_labels: str = "all",
         predict_num_samples: int = 64,
         verify_checksums: bool = False,
+        repa_features: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -475,6 +529,8 @@ class LatentDataModule(L.LightningDataModule):
         self.random_flip, self.sample_posterior = random_flip, sample_posterior
         self.prepare, self.digits_size = prepare, int(digits_size)
         self.drop_last = drop_last
+        self.repa_features = bool(repa_features)
+        self._repa: Optional[st.RepaSpec] = None  # the store's REPA features (known once it is opened)
         # The store opened to read the spec (index and shard sizes checked), kept for setup().
         self._opened: Optional[st.LatentStore] = None
         self.spec = self._read_spec()  # eager: the index and shard sizes (or the digits constants)
@@ -494,6 +550,7 @@ class LatentDataModule(L.LightningDataModule):
         meta_path = os.path.join(self.path, st.META_FILE)
         if os.path.exists(meta_path):
             self._opened = st.LatentStore(self.path)  # validated: a corrupt index or shard names its file
+            self._repa = self._opened.repa
             return self._opened.spec
         if self.prepare == "digits":
             return digits_spec(self.digits_size)
@@ -518,6 +575,17 @@ class LatentDataModule(L.LightningDataModule):
     @property
     def scale_factor(self) -> float:
         return float(self.spec.scale_factor)
+
+    @property
+    def repa_spec(self) -> Optional[dict[str, Any]]:
+        """The REPA encoder whose features the batches carry (``batch["repa"]``), or None (no features in
+        the store, or ``repa_features=False``): ``encoder``, ``weights`` (file name), ``weights_sha256``,
+        ``image_size``, ``tokens``, ``dim``, ``dtype``, ``key``, as ``meta.json`` records them. Known
+        from construction for an existing store; for a digits store built by ``prepare_data``, after
+        ``setup``."""
+        if not self.repa_features or self._repa is None:
+            return None
+        return self._repa.to_json()
 
     @property
     def micro_batch_size(self) -> int:
@@ -562,6 +630,7 @@ class LatentDataModule(L.LightningDataModule):
             self.store = self._opened or st.LatentStore(self.path)
             self._opened = None
             self.spec = self.store.spec
+            self._repa = self.store.repa
             if self.hparams.get("verify_checksums"):
                 self._verify(world, rank)
         self.train_indices, self.val_indices = split_indices(len(self.store), self.val_size, self.split_seed)
@@ -620,6 +689,7 @@ class LatentDataModule(L.LightningDataModule):
             seed=self.seed,
             random_flip=self.random_flip,
             sample_posterior=self.sample_posterior,
+            repa=self.repa_features,
         )
         return LatentDataLoader(
             dataset, self.train_sampler(), progress_fn=_trainer_progress(self), **self._loader_kwargs()
@@ -656,7 +726,7 @@ class LatentDataModule(L.LightningDataModule):
             shuffle=False,
             drop_last=False,
         )
-        dataset = LatentBatchDataset(self.store, train=False)  # type: ignore[arg-type]
+        dataset = LatentBatchDataset(self.store, train=False, repa=self.repa_features)  # type: ignore[arg-type]
         return BatchDataLoader(dataset, sampler, **self._loader_kwargs())
 
     def predict_dataloader(self) -> DataLoader:

@@ -9,6 +9,12 @@ writes the index (meta.json). Killing a run and starting it again gives the same
         --output data/imagenet256_latents
 
 Runs on the GPU when there is one (``device="auto"``); the VAE stays in float32 by default.
+
+With ``--repa_encoder`` (and its local ``--repa_weights``) every shard also stores the frozen REPA
+encoder's patch features of each image and of its flip (``shard-KKKKK.repa.npy``), computed on the
+very image the VAE encodes. On a store whose latents are all written, the same command computes only
+the features (:func:`extract_features`): from the stored pixels of a pixel store, from the images
+(``--image_root``, checked against the store's fingerprint) of a VAE store.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from typing import Any, Literal, Optional
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import numpy as np
 import torch
@@ -24,10 +31,13 @@ import torch
 from ..atomic import check_writable
 from ..ranks import resolve_device, resolve_rank
 from ..signals import on_stop, safe_points, stop_point
-from ..vae import load_vae
+from ..vae import is_pixel_space, load_vae
 from . import store as st
 from .preprocessing import BadImage, list_image_folder, preprocess
-from .rng import NoiseKernel
+from .rng import NoiseKernel, to_float32
+
+if TYPE_CHECKING:
+    from ..models.encoders import FrozenEncoder
 
 # Test hook: "k" makes the process exit right after committing k shards, "k+" makes it die
 # inside the next shard, after its data file and before its commit record.
@@ -95,6 +105,382 @@ def _exit_plan() -> tuple[Optional[int], bool]:
     return int(v.rstrip("+")), v.endswith("+")
 
 
+# --------------------------------------------------------------------------------------
+# REPA features
+# --------------------------------------------------------------------------------------
+
+
+class _Repa:
+    """The REPA encoder of one extraction: its store record (``RepaSpec``) and, loaded only when
+    features are left to compute, the encoder itself."""
+
+    def __init__(self, spec: st.RepaSpec, options: Any, dev: torch.device, encoder: Optional[FrozenEncoder]) -> None:
+        self.spec, self.options, self.dev = spec, options, dev
+        self._encoder = encoder
+        self._placed = False
+
+    @property
+    def encoder(self) -> FrozenEncoder:
+        if self._encoder is None:
+            from ..models.encoders import load_encoder
+
+            self._encoder = load_encoder(self.options)
+        if not self._placed:
+            self._encoder, self._placed = self._encoder.to(self.dev), True
+        return self._encoder
+
+    @torch.inference_mode()
+    def features(self, images: torch.Tensor) -> np.ndarray:
+        """(n, F, T, D) float16 features of images in [0, 1], (n, F, C, H, W)."""
+        n, f = images.shape[:2]
+        z = self.encoder(images.to(self.dev, non_blocking=True).flatten(0, 1))
+        want = (self.spec.tokens, self.spec.dim)
+        if tuple(z.shape[1:]) != want:
+            raise RuntimeError(f"the REPA encoder gave features {tuple(z.shape[1:])}, the store records {want}")
+        return z.reshape(n, f, *want).to(torch.float16).cpu().numpy()
+
+
+def _hash_weights(encoder: str, weights: Optional[str]) -> tuple[Optional[str], str]:
+    """(file name, sha256) identifying the encoder's weights: of the weights file, or of every file
+    of a ``save_pretrained`` directory (names and bytes)."""
+    h = hashlib.sha256()
+    if os.path.isdir(encoder):
+        for dirpath, dirnames, files in os.walk(encoder):
+            dirnames.sort()
+            for name in sorted(files):
+                full = os.path.join(dirpath, name)
+                h.update(os.path.relpath(full, encoder).encode() + b"\0")
+                with open(full, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 22), b""):
+                        h.update(block)
+        return None, h.hexdigest()
+    if not weights:
+        raise ValueError(
+            f"--repa_encoder {encoder} needs --repa_weights, its local weights file: features of an encoder "
+            "without trained weights would be random (and differ at every run)"
+        )
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(f"--repa_weights {weights} is not a file")
+    with open(weights, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return os.path.basename(weights), h.hexdigest()
+
+
+def _repa_options(encoder: Optional[str], weights: Optional[str], image_size: Optional[int]) -> Any:
+    """The REPAOptions of the ``--repa_*`` arguments, or None without ``--repa_encoder``."""
+    if not encoder:
+        if weights or image_size:
+            raise ValueError("--repa_weights / --repa_image_size need --repa_encoder: the encoder to compute with")
+        return None
+    from ..models.repa import REPAOptions
+
+    if os.path.isdir(encoder):
+        encoder = os.path.abspath(encoder)  # a save_pretrained directory: recorded by its full path
+    elif weights and not os.path.isfile(weights):
+        raise FileNotFoundError(f"--repa_weights {weights} is not a file")  # before any other work
+    return REPAOptions(encoder=encoder, weights=weights, image_size=image_size)
+
+
+def _image_shape(spec: st.StoreSpec) -> tuple[int, int, int]:
+    """(C, H, W) of the images behind a store's latents (the encoder's input)."""
+    if is_pixel_space(spec.vae):
+        return spec.latent_shape
+    return (3, spec.image_size, spec.image_size)
+
+
+def _setup_repa(output: str, spec: st.StoreSpec, options: Any, dev: torch.device) -> _Repa:
+    """Check the asked encoder against the store's features (``repa.json``) or record it there.
+
+    A store's features all come from one encoder: other settings are refused before any work. The
+    encoder is loaded here only for a store without features (to read its tokens and width)."""
+    name, sha = _hash_weights(options.encoder, options.weights)
+    identity = {"encoder": options.encoder, "weights_sha256": sha, "image_size": options.image_size}
+    old = st.load_repa_plan(output)
+    if old is not None:
+        st.check_repa_identity(output, old, identity)
+        return _Repa(old, options, dev, None)
+    from ..models.encoders import feature_shape, load_encoder
+
+    encoder = load_encoder(options)
+    tokens, dim = feature_shape(encoder, _image_shape(spec))
+    rspec = st.RepaSpec(
+        encoder=options.encoder,
+        weights=name,
+        weights_sha256=sha,
+        image_size=options.image_size,
+        tokens=tokens,
+        dim=dim,
+    )
+    return _Repa(st.write_repa_plan(output, rspec), options, dev, encoder)
+
+
+def _check_fingerprint(image_root: str, spec: st.StoreSpec) -> None:
+    """Refuse an image folder whose file list is not the one the store was extracted from."""
+    paths, labels, _ = list_image_folder(image_root)
+    paths, labels = paths[: spec.num_items], labels[: spec.num_items]
+    if len(paths) != spec.num_items or _fingerprint(paths, labels) != spec.fingerprint:
+        raise ValueError(
+            f"--image_root {image_root} does not hold the images the store was extracted from ({spec.source}: "
+            f"{spec.num_items} files, fingerprint {spec.fingerprint[:12]}...; found {len(paths)} files with another "
+            "list): the features must be computed from the very images of the latents; pass the original folder"
+        )
+
+
+def _shard_images(
+    output: str,
+    spec: st.StoreSpec,
+    image_root: Optional[str],
+    shards: list[int],
+    counts: dict[int, int],
+    sources: dict[int, list[str]],
+    batch_size: int,
+    num_workers: int,
+    dev: torch.device,
+) -> Iterator[tuple[int, Optional[torch.Tensor]]]:
+    """(shard, images in [0, 1] of shape (b, F, C, H, W)) batches of the committed ``shards``, in
+    order, never across a shard; (shard, None) closes each shard. Pixel stores read their stored
+    pixels (and stored flips); VAE stores decode and crop the shard's source images again."""
+    if is_pixel_space(spec.vae):
+        for k in shards:
+            data = np.load(st.data_path(output, k), mmap_mode="r")  # (n, F, K, C, H, W)
+            for a in range(0, counts[k], batch_size):
+                x = to_float32(np.ascontiguousarray(data[a : a + batch_size, :, 0]))  # (b, F, C, H, W) in [-1, 1]
+                yield k, (torch.from_numpy(x) + 1) / 2
+            yield k, None
+        return
+    assert image_root is not None
+    flat = [p for k in shards for p in sources[k]]
+    batches: list[list[int]] = []
+    start = 0
+    for k in shards:  # batches never cross a shard: a shard's bytes do not depend on the others
+        batches.extend(
+            list(range(s, min(start + counts[k], s + batch_size))) for s in range(start, start + counts[k], batch_size)
+        )
+        start += counts[k]
+    loader = torch.utils.data.DataLoader(
+        _ImageFiles(image_root, flat, spec.image_size),
+        batch_sampler=batches,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        pin_memory=dev.type == "cuda",
+        prefetch_factor=4 if num_workers > 0 else None,
+    )
+    it = iter(loader)
+    for k in shards:
+        for _ in range(-(-counts[k] // batch_size)):
+            batch = next(it)
+            bad = [it_ for it_ in batch["items"] if it_["error"] is not None]
+            if bad:
+                path = os.path.join(image_root, flat[bad[0]["i"]])
+                raise ValueError(
+                    f"{path} was encoded into shard {k} of {output} but cannot be read now ({bad[0]['error']}): "
+                    "the features need the very images of the latents; restore the file and run again"
+                )
+            x = (batch["x"] + 1) / 2
+            yield k, torch.stack([x, x.flip(-1)], 1) if spec.flips else x[:, None]
+        yield k, None
+
+
+def _features_pass(
+    output: str,
+    spec: st.StoreSpec,
+    repa: _Repa,
+    shards: list[int],
+    image_root: Optional[str],
+    batch_size: int,
+    num_workers: int,
+    dev: torch.device,
+    show: bool,
+    stats: dict[str, int],
+    label: str,
+) -> None:
+    """Compute and commit the features of the committed ``shards`` (shard by shard: a kill loses at
+    most the shard in progress; the test hook of ``EXIT_AFTER_ENV`` counts features shards here)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    records = {k: st.read_shard_record(output, k) for k in shards}
+    counts = {k: int(r["count"]) if r else 0 for k, r in records.items()}
+    sources = {k: list(r["sources"]) if r else [] for k, r in records.items()}
+    exit_after, exit_mid = _exit_plan()
+    pending: list[np.ndarray] = []
+    with Progress(
+        TextColumn(f"[bold]features[/] rank {label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        disable=not show,
+        transient=False,
+    ) as bar:
+        task = bar.add_task("features", total=sum(counts.values()))
+        for k, images in _shard_images(output, spec, image_root, shards, counts, sources, batch_size, num_workers, dev):
+            stop_point()  # (dit_lightning.signals)
+            if images is not None:
+                pending.append(repa.features(images))
+                bar.update(task, advance=len(images))
+                continue
+            hook = None
+            if exit_after is not None and exit_mid and stats["features_written"] == exit_after:
+                hook = lambda: os._exit(17)  # noqa: E731
+            shape = (0, spec.num_flips, repa.spec.tokens, repa.spec.dim)
+            features = np.concatenate(pending) if pending else np.zeros(shape, np.float16)
+            st.write_features(output, k, spec, repa.spec, features, after_data_hook=hook)
+            pending = []
+            stats["features_written"] += 1
+            stats["features_images"] += counts[k]
+            if exit_after is not None and not exit_mid and stats["features_written"] == exit_after:
+                os._exit(17)
+
+
+def _finalize_if_done(output: str, spec: st.StoreSpec, repa: Optional[st.RepaSpec]) -> bool:
+    """Write the index once every shard (and, with ``repa``, its features) is committed and the index
+    does not say so yet; whether the store is complete."""
+    if st.shard_status(output, spec)[1]:
+        return False
+    if repa is not None and st.features_status(output, repa, spec)[1]:
+        return False
+    try:
+        current = st.LatentStore(output)
+        fresh = repa is None or (current.repa is not None and current.repa.key == repa.key)
+    except (st.StoreError, OSError, ValueError):
+        fresh = False
+    if not fresh:
+        st.finalize_store(output)
+    return True
+
+
+def extract_features(
+    output: str,
+    repa_encoder: str,
+    repa_weights: Optional[str] = None,
+    repa_image_size: Optional[int] = None,
+    image_root: Optional[str] = None,
+    batch_size: int = 32,
+    num_workers: int = 4,
+    device: str = "auto",
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    finalize: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Add a frozen REPA encoder's patch features to a store whose latents are all written.
+
+    Shard by shard, resumable (rerun: it continues; the same bytes as an uninterrupted run) and
+    data-parallel like :func:`extract_latents` (which calls this when its latents are done). A pixel
+    store (the digits) is encoded from its stored pixels, ``(x + 1) / 2``, and its stored flips; a
+    VAE store from its images, ``image_root`` (default: the folder it was extracted from), checked
+    against the store's fingerprint and cropped as for the latents. The index (``meta.json``) is
+    rewritten with the features once every shard has them; until then the store reads as before.
+
+    Args:
+        output: The store.
+        repa_encoder: The encoder (a timm name, ``dinov2-vitb14``, a ``save_pretrained`` directory or
+            a class path: :func:`dit_lightning.models.encoders.load_encoder`).
+        repa_weights: Its local weights file (not for a directory).
+        repa_image_size: The encoder's input side; unset: its own (224 for DINOv2).
+        image_root: The images of a VAE store.
+        batch_size: Images per encoder forward (their flips go in the same forward).
+        num_workers: Image decoding processes (VAE stores).
+        device: ``auto`` (``cuda:LOCAL_RANK`` when CUDA is present, else CPU) or a torch device.
+        rank: This process's rank (default: torchrun's).
+        world_size: Number of processes.
+        finalize: Rewrite the index when every shard has its features.
+        progress: Show a progress bar and the summary.
+    """
+    t0 = time.perf_counter()
+    rank, world_size, local_rank = resolve_rank(rank, world_size)
+    output = os.path.abspath(output)
+    options = _repa_options(repa_encoder, repa_weights, repa_image_size)
+    if options is None:
+        raise ValueError("extract_features needs repa_encoder: the encoder whose features to add")
+    if not os.path.exists(os.path.join(output, st.PLAN_FILE)):
+        raise st.StoreError(
+            f"no latent store at {output}: extract its latents first (`dit-lightning extract --image_root ... "
+            "--output ...`; the --repa_* arguments there compute the features at the same time)"
+        )
+    spec = st.load_plan(output)
+    done, missing = st.shard_status(output, spec)
+    if missing:
+        raise st.IncompleteStoreError(
+            f"{output}: {len(missing)} of {spec.num_shards} shards of latents are not written yet; finish them with "
+            "the original `dit-lightning extract --image_root ...` command and the --repa_* arguments (both at once)"
+        )
+    if is_pixel_space(spec.vae):
+        image_root = None  # the stored values are the images
+    else:
+        image_root = image_root or (spec.source if os.path.isdir(spec.source) else None)
+        if not image_root:
+            raise ValueError(
+                f"{output} holds VAE latents: its features are computed from the same images; pass --image_root "
+                f"(the store was extracted from {spec.source}, which is not a directory here)"
+            )
+        _check_fingerprint(image_root, spec)
+    check_writable(output, "store directory", "Features are written into the store.")
+    for name, value in (("batch_size", batch_size),):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    dev = resolve_device(device, local_rank)
+    repa = _setup_repa(output, spec, options, dev)
+    stats = {"features_written": 0, "features_images": 0}
+    _, fmissing = st.features_status(output, repa.spec, spec)
+    mine = [k for k in fmissing if k % world_size == rank]
+    _run_features(output, spec, repa, mine, image_root, batch_size, num_workers, dev, progress and local_rank == 0,
+                  stats, f"{rank}/{world_size}")  # fmt: skip
+    finalized = _finalize_if_done(output, spec, repa.spec) if finalize else False
+    seconds = time.perf_counter() - t0
+    summary = {
+        "output": output,
+        "rank": rank,
+        "world_size": world_size,
+        "device": str(dev),
+        "repa": repa.spec.to_json(),
+        "shards_total": spec.num_shards,
+        "features_written": stats["features_written"],
+        "features_already_done": sum(1 for k in range(spec.num_shards) if k % world_size == rank) - len(mine),
+        "images_done": stats["features_images"],
+        "seconds": round(seconds, 3),
+        "finalized": finalized,
+    }
+    if progress:
+        from rich.console import Console
+
+        Console(stderr=True).print(
+            f"[bold]features[/] rank {rank}/{world_size} on {dev}: {repa.spec.encoder} ({repa.spec.tokens}x"
+            f"{repa.spec.dim} per image and flip) of {stats['features_images']} images in {stats['features_written']} "
+            f"shards ({summary['features_already_done']} already done) in {seconds:.1f}s; "
+            + ("store finalised with its features" if finalized else "not finalised yet (other shards pending)")
+        )
+    return summary
+
+
+def _run_features(
+    output: str,
+    spec: st.StoreSpec,
+    repa: _Repa,
+    shards: list[int],
+    image_root: Optional[str],
+    batch_size: int,
+    num_workers: int,
+    dev: torch.device,
+    show: bool,
+    stats: dict[str, int],
+    label: str,
+) -> None:
+    """The features pass over ``shards`` with stop handling (a signal drops only the shard in progress)."""
+    if not shards:
+        return
+
+    def stopped() -> str:
+        have = len(st.features_status(output, repa.spec, spec)[0])
+        return (
+            f"{have} of {spec.num_shards} shards of {output} have their REPA features (each whole); run the same "
+            "command again to resume from there"
+        )
+
+    with safe_points(), on_stop(stopped):
+        _features_pass(output, spec, repa, shards, image_root, batch_size, num_workers, dev, show, stats, label)
+
+
 def extract_latents(
     image_root: Optional[str] = None,
     output: Optional[str] = None,
@@ -117,8 +503,12 @@ def extract_latents(
     finalize_only: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    repa_encoder: Optional[str] = None,
+    repa_weights: Optional[str] = None,
+    repa_image_size: Optional[int] = None,
 ) -> dict[str, Any]:
-    """Encode an ImageFolder into a latent store (resumable, data-parallel).
+    """Encode an ImageFolder into a latent store (resumable, data-parallel), with the REPA encoder's
+    features when ``repa_encoder`` is set.
 
     Args:
         image_root: ImageFolder root, ``root/<class>/<image>`` (ImageNet layout); classes and
@@ -147,6 +537,13 @@ def extract_latents(
             that is provably a store written by this tool (and holds nothing else, and not the
             images) is deleted, and only after the images and the VAE have been checked.
         progress: Show a rich progress bar (on local rank 0).
+        repa_encoder: Also store this frozen REPA encoder's patch features of every image and flip
+            (``model.repa.encoder``'s names: ``dinov2-vitb14``, a timm name, a ``save_pretrained``
+            directory, a class path). On a store whose latents are all written only the features are
+            computed (:func:`extract_features`; ``image_root`` is then only needed for VAE stores, and
+            the other settings are the store's).
+        repa_weights: The encoder's local weights file (nothing is downloaded).
+        repa_image_size: The encoder's input side; unset: its own (224 for DINOv2).
 
     Returns:
         A summary: images done/skipped/converted by this process, shards written and already
@@ -160,6 +557,15 @@ def extract_latents(
     if finalize_only:
         meta = st.finalize_store(output)
         return {"output": output, "finalized": True, "count": meta["count"], "rank": rank}
+    options = _repa_options(repa_encoder, repa_weights, repa_image_size)
+    plan_path = os.path.join(output, st.PLAN_FILE)
+    if options is not None and not overwrite and os.path.exists(plan_path) and not st.shard_status(output)[1]:
+        # The latents are all written (the common case: a store extracted long ago): features only.
+        return extract_features(
+            output, options.encoder, repa_weights, repa_image_size, image_root=image_root, batch_size=batch_size,
+            num_workers=num_workers, device=device, rank=rank, world_size=world_size, finalize=finalize,
+            progress=progress,
+        )  # fmt: skip
     if not image_root:
         raise ValueError("extract needs --image_root: the ImageFolder to encode (root/<class>/<image>)")
     if not os.path.isdir(image_root):
@@ -235,7 +641,15 @@ def extract_latents(
     mine = [k for k in missing if k % world_size == rank]
     resumed = sum(1 for k in done if k % world_size == rank)
     show = progress and local_rank == 0
-    stats = {"images": 0, "skipped": 0, "converted": 0, "shards_written": 0}
+    stats = {"images": 0, "skipped": 0, "converted": 0, "shards_written": 0, "features_written": 0}
+    stats["features_images"] = 0
+    repa = _setup_repa(output, spec, options, dev) if options is not None else None
+    recorded = st.load_repa_plan(output) if repa is None and missing else None
+    if recorded is not None:
+        raise st.StoreError(
+            f"{output} is being extracted with REPA features ({st.REPA_PLAN_FILE}: --repa_encoder {recorded.encoder}); "
+            "resume with the same --repa_encoder / --repa_weights / --repa_image_size, so that every shard has them"
+        )
 
     if mine:
         if vae_model is None:
@@ -252,18 +666,19 @@ def extract_latents(
         with safe_points(), on_stop(stopped):
             _encode_shards(
                 output, spec, image_root, paths, labels, mine, vae_model, dev, batch_size, num_workers, seed, show,
-                stats, label=f"{rank}/{world_size}",
+                stats, label=f"{rank}/{world_size}", repa=repa,
             )  # fmt: skip
+    if repa is not None:
+        # Shards committed by an earlier run without features (this run writes them with theirs).
+        _, fmissing = st.features_status(output, repa.spec, spec)
+        _run_features(output, spec, repa, [k for k in fmissing if k % world_size == rank], image_root, batch_size,
+                      num_workers, dev, show, stats, f"{rank}/{world_size}")  # fmt: skip
 
     finalized = False
     meta_count = None
-    if finalize:
-        _, missing_now = st.shard_status(output, spec)
-        if not missing_now:
-            if not st.is_store(output):
-                st.finalize_store(output)
-            finalized = True
-            meta_count = st.store_info(output)["count"]
+    if finalize and _finalize_if_done(output, spec, repa.spec if repa is not None else None):
+        finalized = True
+        meta_count = st.store_info(output)["count"]
     seconds = time.perf_counter() - t0
     summary = {
         "output": output,
@@ -276,6 +691,7 @@ def extract_latents(
         "images_done": stats["images"],
         "images_skipped": stats["skipped"],
         "images_converted": stats["converted"],
+        "features_written": stats["features_written"],
         "seconds": round(seconds, 3),
         "images_per_s": round(stats["images"] / seconds, 2) if seconds > 0 else 0.0,
         "output_bytes": _dir_bytes(output),
@@ -309,6 +725,7 @@ def _encode_shards(
     show: bool,
     stats: dict[str, int],
     label: str = "0/1",
+    repa: Optional[_Repa] = None,
 ) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -331,7 +748,7 @@ def _encode_shards(
     vae_dtype = next(vae_model.parameters()).dtype
     total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in shards)
 
-    pending: dict[str, list] = {"data": [], "labels": [], "sources": [], "report": []}
+    pending: dict[str, list] = {"data": [], "features": [], "labels": [], "sources": [], "report": []}
     shard_iter = iter(shards)
     current = next(shard_iter)
     cur_end = spec.shard_range(current)[1]
@@ -361,6 +778,12 @@ def _encode_shards(
             if ok:
                 data = _encode(vae_model, batch["x"], dev, vae_dtype, spec, noise, seed, [it["i"] for it in ok])
                 pending["data"].append(data)
+                if repa is not None:
+                    # the very image the VAE encoded, in [0, 1], and its mirror (flip 1, as for the latents)
+                    x = (batch["x"] + 1) / 2
+                    pending["features"].append(
+                        repa.features(torch.stack([x, x.flip(-1)], 1) if spec.flips else x[:, None])
+                    )
                 pending["labels"].extend(labels[it["i"]] for it in ok)
                 pending["sources"].extend(paths[it["i"]] for it in ok)
                 stats["images"] += len(ok)
@@ -378,6 +801,12 @@ def _encode_shards(
                     if pending["data"]
                     else np.zeros((0, *spec.sample_shape), spec.np_dtype)
                 )
+                features = None
+                if repa is not None:
+                    shape = (0, spec.num_flips, repa.spec.tokens, repa.spec.dim)
+                    features = (
+                        np.concatenate(pending["features"]) if pending["features"] else np.zeros(shape, np.float16)
+                    )
                 st.write_shard(
                     output,
                     current,
@@ -387,11 +816,13 @@ def _encode_shards(
                     pending["sources"],
                     pending["report"],
                     after_data_hook=hook,
+                    features=features,
+                    repa=repa.spec if repa is not None else None,
                 )
                 stats["shards_written"] += 1
                 if exit_after is not None and not exit_mid and stats["shards_written"] == exit_after:
                     os._exit(17)
-                pending = {"data": [], "labels": [], "sources": [], "report": []}
+                pending = {"data": [], "features": [], "labels": [], "sources": [], "report": []}
                 current = next(shard_iter, -1)
                 cur_end = spec.shard_range(current)[1] if current >= 0 else -1
 

@@ -7,6 +7,9 @@ Layout of a store directory::
     shards/shard-00000.labels.npy   (n_k,) int32 class labels
     shards/shard-00000.json   commit record of the shard: written last, so its presence
                               (with matching file sizes) is what makes the shard count
+    repa.json                 (optional) the REPA encoder whose features the store holds (RepaSpec)
+    shards/shard-00000.repa.npy     (optional) (n_k, F, T, D) float16 encoder patch features,
+                              committed by the "repa" entry of the shard's commit record
     labels.npy, sources.txt, report.jsonl   written by finalize_store()
     meta.json                 written last by finalize_store(); a store without it is incomplete
 
@@ -23,7 +26,7 @@ import json
 import os
 import re
 import resource
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, Optional, Union
 
 import numpy as np
@@ -34,6 +37,8 @@ FORMAT_NAME = "dit-lightning-latent-store"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 PLAN_FILE = "plan.json"
+REPA_PLAN_FILE = "repa.json"
+REPA_SUFFIX = ".repa.npy"
 LABELS_FILE = "labels.npy"
 SOURCES_FILE = "sources.txt"
 REPORT_FILE = "report.jsonl"
@@ -45,6 +50,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 # numpy has no bfloat16: its bits are stored as uint16 and viewed as torch.bfloat16 on read.
 _NP_DTYPES = {"float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+# REPA features are always float16: DINOv2's features are O(1..10), far inside its range.
+REPA_NP_DTYPE = np.dtype("<f2")
 
 
 class StoreError(RuntimeError):
@@ -132,6 +139,100 @@ class StoreSpec:
         return cls(**kw)
 
 
+@dataclasses.dataclass(frozen=True)
+class RepaSpec:
+    """The frozen REPA encoder whose patch features a store holds (``repa.json``, and ``meta.json``'s
+    ``repa`` entry): what made them, and their shape (``tokens``, ``dim``) per image and flip.
+
+    ``encoder`` is the name as given to ``--repa_encoder`` (a ``save_pretrained`` directory as its
+    absolute path), ``weights`` the weights file's name and ``weights_sha256`` the hash of its bytes
+    (of a directory's files for ``save_pretrained`` directories): what identifies the encoder.
+    """
+
+    encoder: str
+    weights: Optional[str]
+    weights_sha256: str
+    image_size: Optional[int]
+    tokens: int
+    dim: int
+    dtype: str = "float16"
+
+    def identity(self) -> dict[str, Any]:
+        """What must be equal for features to be interchangeable (the weights' file name may differ)."""
+        return {"encoder": self.encoder, "weights_sha256": self.weights_sha256, "image_size": self.image_size}
+
+    @property
+    def key(self) -> str:
+        """A short hash of everything but the weights' file name: commit records carry it, so a
+        features file written for another encoder never counts."""
+        d = {**self.identity(), "tokens": self.tokens, "dim": self.dim, "dtype": self.dtype}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "key": self.key}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RepaSpec:
+        image_size = d.get("image_size")
+        return cls(
+            encoder=str(d["encoder"]),
+            weights=None if d.get("weights") is None else str(d["weights"]),
+            weights_sha256=str(d["weights_sha256"]),
+            image_size=None if image_size is None else int(image_size),
+            tokens=int(d["tokens"]),
+            dim=int(d["dim"]),
+            dtype=str(d.get("dtype", "float16")),
+        )
+
+
+def load_repa_plan(root: PathLike) -> Optional[RepaSpec]:
+    """The REPA features settings of the store at ``root`` (``repa.json``), or None."""
+    path = os.path.join(os.fspath(root), REPA_PLAN_FILE)
+    try:
+        d = read_json_file(path, "delete it and the shards/*.repa.npy files and rerun the features extraction")
+    except FileNotFoundError:
+        return None
+    try:
+        return RepaSpec.from_json(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise StoreError(
+            f"{path} is not a REPA features record ({type(e).__name__}: {e}); delete it and the shards/*.repa.npy "
+            "files and rerun the features extraction"
+        ) from None
+
+
+def check_repa_identity(root: PathLike, old: RepaSpec, asked: dict[str, Any]) -> None:
+    """Refuse features of another encoder than ``asked`` (``RepaSpec.identity()`` fields): a store's
+    features all come from one encoder, never a mix."""
+    theirs = old.identity()
+    diff = {k: (theirs[k], v) for k, v in asked.items() if theirs.get(k) != v}
+    if diff:
+        raise StoreError(
+            f"{os.fspath(root)} already holds REPA features of another encoder ({_describe_diff(diff)}; the store's: "
+            f"--repa_encoder {old.encoder} with weights {old.weights or '(in the directory)'}, --repa_image_size "
+            f"{old.image_size}). Features of two encoders are never mixed: extract with the store's settings, or "
+            f"delete {REPA_PLAN_FILE} and shards/*{REPA_SUFFIX} in the store to replace its features"
+        )
+
+
+def write_repa_plan(root: PathLike, repa: RepaSpec) -> RepaSpec:
+    """Create ``repa.json`` or check that an existing one names the same encoder (like :func:`write_plan`)."""
+    root = os.fspath(root)
+    old = load_repa_plan(root)
+    if old is not None:
+        check_repa_identity(root, old, repa.identity())
+        if (old.tokens, old.dim) != (repa.tokens, repa.dim):
+            raise StoreError(
+                f"{root}: the encoder now gives features of {repa.tokens}x{repa.dim}, the store's were "
+                f"{old.tokens}x{old.dim}, with the same weights: delete {REPA_PLAN_FILE} and shards/*{REPA_SUFFIX} "
+                "to replace the features"
+            )
+        return old
+    make_directory(os.path.join(root, SHARD_DIR))
+    write_json(os.path.join(root, REPA_PLAN_FILE), repa.to_json(), indent=1)
+    return repa
+
+
 def shard_stem(k: int) -> str:
     return f"shard-{k:05d}"
 
@@ -139,6 +240,16 @@ def shard_stem(k: int) -> str:
 def _shard_paths(root: str, k: int) -> tuple[str, str, str]:
     base = os.path.join(root, SHARD_DIR, shard_stem(k))
     return base + ".npy", base + ".labels.npy", base + ".json"
+
+
+def data_path(root: PathLike, k: int) -> str:
+    """The data file (latents, or pixels) of shard ``k``."""
+    return _shard_paths(os.fspath(root), k)[0]
+
+
+def features_path(root: PathLike, k: int) -> str:
+    """The REPA features file of shard ``k``."""
+    return os.path.join(os.fspath(root), SHARD_DIR, shard_stem(k) + REPA_SUFFIX)
 
 
 def write_plan(root: PathLike, spec: StoreSpec) -> StoreSpec:
@@ -239,11 +350,14 @@ def write_shard(
     sources: Sequence[str],
     report: Sequence[dict[str, Any]] = (),
     after_data_hook: Any = None,
+    features: Optional[np.ndarray] = None,
+    repa: Optional[RepaSpec] = None,
 ) -> dict[str, Any]:
-    """Atomically write shard ``k``: data, labels, then its commit record.
+    """Atomically write shard ``k``: data, labels, (REPA features), then its commit record.
 
     ``data`` is (n, F, K, C, H, W) in the storage dtype (uint16 bits for bfloat16), ``labels``
-    (n,), ``sources`` the n input names, ``report`` the skipped/converted inputs of the shard.
+    (n,), ``sources`` the n input names, ``report`` the skipped/converted inputs of the shard,
+    ``features`` (n, F, T, D) float16 the patch features of encoder ``repa``.
     A crash before the commit record is written leaves a shard that does not count and is
     simply rewritten by the next run.
     """
@@ -256,6 +370,8 @@ def write_shard(
         raise ValueError(f"shard {k}: data dtype {data.dtype} != storage dtype {spec.np_dtype} ({spec.dtype})")
     if len(sources) != n:
         raise ValueError(f"shard {k}: {len(sources)} sources for {n} samples")
+    if (features is None) != (repa is None):
+        raise ValueError(f"shard {k}: features and repa go together")
     data_path, labels_path, record_path = _shard_paths(root, k)
     save_npy(data_path, data)
     if after_data_hook is not None:
@@ -273,8 +389,79 @@ def write_shard(
         "sources": list(sources),
         "report": list(report),
     }
+    if features is not None and repa is not None:
+        record["repa"] = _save_features(root, k, spec, repa, features, n)
     write_json(record_path, record, indent=1)
     return record
+
+
+def _save_features(root: str, k: int, spec: StoreSpec, repa: RepaSpec, features: np.ndarray, n: int) -> dict[str, Any]:
+    """Write shard ``k``'s features file; its entry for the commit record."""
+    expected = (n, spec.num_flips, repa.tokens, repa.dim)
+    if tuple(features.shape) != expected or features.dtype != REPA_NP_DTYPE:
+        raise ValueError(
+            f"shard {k}: features {tuple(features.shape)} {features.dtype}, expected {expected} {REPA_NP_DTYPE}"
+        )
+    if n and not np.isfinite(features).all():
+        raise StoreError(
+            f"shard {k}: the REPA encoder {repa.encoder} gave non-finite features (or beyond float16's range): "
+            "check the encoder and its weights"
+        )
+    path = features_path(root, k)
+    save_npy(path, features)
+    return {
+        "file": os.path.basename(path),
+        "bytes": os.path.getsize(path),
+        "sha256": _sha256(path),
+        "key": repa.key,
+    }
+
+
+def write_features(
+    root: PathLike,
+    k: int,
+    spec: StoreSpec,
+    repa: RepaSpec,
+    features: np.ndarray,
+    after_data_hook: Any = None,
+) -> dict[str, Any]:
+    """Add REPA features to the committed shard ``k``: the features file, then the shard's commit
+    record rewritten (atomically) with their ``repa`` entry. Until that rewrite the features do not
+    count, so a kill in between only costs their recomputation."""
+    root = os.fspath(root)
+    record = read_shard_record(root, k)
+    if record is None:
+        raise IncompleteStoreError(f"shard {k} of {root} is not written: features are added to committed shards only")
+    entry = _save_features(root, k, spec, repa, features, int(record["count"]))
+    if after_data_hook is not None:
+        after_data_hook()  # test hook: simulate a crash between the features and the commit record
+    record = {**record, "repa": entry}
+    write_json(_shard_paths(root, k)[2], record, indent=1)
+    return record
+
+
+def _features_done(root: str, record: Optional[dict[str, Any]], repa: RepaSpec) -> bool:
+    """Whether a commit record commits features of ``repa`` that are on disk whole."""
+    entry = (record or {}).get("repa")
+    if not isinstance(entry, dict) or entry.get("key") != repa.key:
+        return False
+    try:
+        return os.path.getsize(os.path.join(root, SHARD_DIR, str(entry["file"]))) == int(entry["bytes"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
+
+
+def features_status(root: PathLike, repa: RepaSpec, spec: Optional[StoreSpec] = None) -> tuple[list[int], list[int]]:
+    """(done, missing) shard ids for the features of ``repa``, among the committed shards."""
+    root = os.fspath(root)
+    spec = spec or load_plan(root)
+    done: list[int] = []
+    missing: list[int] = []
+    for k in range(spec.num_shards):
+        rec = read_shard_record(root, k)
+        if rec is not None:
+            (done if _features_done(root, rec, repa) else missing).append(k)
+    return done, missing
 
 
 def read_shard_record(root: PathLike, k: int) -> Optional[dict[str, Any]]:
@@ -338,6 +525,11 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
     report = [e for r in records for e in r["report"]]
     write_bytes(os.path.join(root, REPORT_FILE), "".join(json.dumps(e, sort_keys=True) + "\n" for e in report).encode())
     count = int(sum(r["count"] for r in records))
+    # REPA features count only when every shard has them (a features pass still running, or killed,
+    # leaves the store as it was: usable, without features).
+    repa = load_repa_plan(root)
+    if repa is not None and not all(_features_done(root, r, repa) for r in records):
+        repa = None
     meta = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -355,6 +547,11 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
         "labels_file": LABELS_FILE,
         "labels_dtype": "int32",
     }
+    if repa is not None:
+        meta["repa"] = repa.to_json()
+        for entry, r in zip(meta["shards"], records):
+            entry["repa_file"] = f"{SHARD_DIR}/{r['repa']['file']}"
+            entry["repa_bytes"] = r["repa"]["bytes"]
     write_json(os.path.join(root, META_FILE), meta, indent=1)
     return meta
 
@@ -442,6 +639,9 @@ class LatentStore:
             shards = meta["shards"]
             counts = np.array([int(s["count"]) for s in shards], dtype=np.int64)
             self._files = [os.path.join(self.path, s["file"]) for s in shards]
+            # The REPA encoder's features, when the store has them (``extract --repa_encoder``).
+            self.repa: Optional[RepaSpec] = RepaSpec.from_json(meta["repa"]) if meta.get("repa") else None
+            self._repa_files = [os.path.join(self.path, s["repa_file"]) for s in shards] if self.repa else []
         except (KeyError, TypeError, ValueError) as e:
             problem = f"{type(e).__name__}: {e}"
             raise StoreError(f"{meta_path} is not a complete index ({problem}); {_refinalize(path)}") from None
@@ -455,6 +655,8 @@ class LatentStore:
             )
         for fname, n, entry in zip(self._files, counts, shards):
             self._validate_shard(fname, int(n), entry.get("bytes"))
+        for k, (fname, n, entry) in enumerate(zip(self._repa_files, counts, shards)):
+            self._validate_features(k, fname, int(n), entry.get("repa_bytes"))
         labels_path = os.path.join(self.path, meta.get("labels_file", LABELS_FILE))
         try:
             labels = np.load(labels_path)
@@ -472,6 +674,7 @@ class LatentStore:
             )
         self.labels: np.ndarray = labels.astype(np.int64)
         self._maps: dict[int, np.ndarray] = {}
+        self._repa_maps: dict[int, np.ndarray] = {}
 
     def _explain_missing_meta(self) -> None:
         if not os.path.isdir(self.path):
@@ -497,28 +700,26 @@ class LatentStore:
             f"delete {fname} and its .json/.labels.npy siblings and rerun the extraction to rewrite it "
             f"(the other shards are kept), then finalize"
         )
-        if not os.path.exists(fname):
-            raise StoreError(f"shard {fname} is missing; {fix}")
-        try:
-            shape, dtype, fortran, offset = _npy_header(fname)
-        except (OSError, ValueError) as e:
-            raise StoreError(f"shard {fname} has an unreadable header ({e}); {fix}") from None
         expected = (n, *self._sample_shape)
-        if shape != expected:
-            raise StoreError(
-                f"shard {fname} has shape {shape}, the metadata expects {expected} "
-                f"(count, flips, moments, C, H, W); {fix}"
-            )
-        if dtype != self.spec.np_dtype or fortran:
-            raise StoreError(
-                f"shard {fname} has dtype {dtype} (fortran={fortran}), expected {self.spec.np_dtype}; {fix}"
-            )
-        size = os.path.getsize(fname)
-        want = offset + int(np.prod(expected)) * dtype.itemsize
-        if size != want:
-            raise StoreError(f"shard {fname} is truncated or padded: {size} bytes, expected {want}; {fix}")
-        if recorded_bytes is not None and int(recorded_bytes) != size:
-            raise StoreError(f"shard {fname} has {size} bytes, the index records {recorded_bytes}; {fix}")
+        _check_npy(
+            fname, "shard", expected, "(count, flips, moments, C, H, W)", self.spec.np_dtype, recorded_bytes, fix
+        )
+
+    def _features_fix(self, fname: str) -> str:
+        assert self.repa is not None
+        weights = f" --repa_weights <{self.repa.weights}>" if self.repa.weights else ""
+        # pixel stores ("none/pixels", vae.is_pixel_space) hold their images; VAE stores need theirs
+        image_root = "" if not self.spec.vae or self.spec.vae.startswith("none") else " --image_root <the images>"
+        return (
+            f"delete {fname} and rerun `dit-lightning extract --output {self.path} --repa_encoder {self.repa.encoder}"
+            f"{weights}{image_root}` to compute it again (only the missing features are computed)"
+        )
+
+    def _validate_features(self, k: int, fname: str, n: int, recorded_bytes: Optional[int] = None) -> None:
+        assert self.repa is not None
+        expected = (n, self.num_flips, self.repa.tokens, self.repa.dim)
+        fix = self._features_fix(fname)
+        _check_npy(fname, "REPA features file", expected, "(count, flips, T, D)", REPA_NP_DTYPE, recorded_bytes, fix)
 
     def shard_record(self, k: int) -> dict[str, Any]:
         """The commit record (``shards/shard-KKKKK.json``) of shard ``k``: checksums, sources, report."""
@@ -532,32 +733,41 @@ class LatentStore:
     def verify(self, checksums: bool = True, values: bool = True, shards: Optional[Iterable[int]] = None) -> list[str]:
         """Problems of the shards ``shards`` (default all) beyond what opening checks (sizes):
         data that changed since it was written (sha256 against the commit record, with
-        ``checksums``) and non-finite values (NaN / inf, with ``values``). Reads the data once."""
+        ``checksums``) and non-finite values (NaN / inf, with ``values``), of the latents and of
+        the REPA features when the store has them. Reads the data once."""
         problems: list[str] = []
         for k in range(self.num_shards) if shards is None else shards:
             fname = self._files[k]
             fix = f"delete {fname} and its .json/.labels.npy siblings and rerun the extraction to rewrite it"
+            record: dict[str, Any] = {}
             if checksums:
                 try:
-                    want = self.shard_record(k).get("data_sha256")
+                    record = self.shard_record(k)
                 except StoreError as e:
                     problems.append(str(e))
                     continue
-                got = _sha256(fname)
-                if want and got != want:
+            problem = _check_file(fname, "shard", record.get("data_sha256") if checksums else None, fix)
+            if problem is None and values:
+                problem = _nonfinite_problem(fname, "shard", self._map(k), self.spec.dtype, self.num_flips, fix)
+            if problem:
+                problems.append(problem)
+            if self.repa is not None:
+                rname = self._repa_files[k]
+                rfix = self._features_fix(rname)
+                entry = record.get("repa") or {}
+                if checksums and entry.get("key") != self.repa.key:
                     problems.append(
-                        f"shard {fname} changed since it was written (sha256 {got[:12]}..., the commit record has "
-                        f"{want[:12]}...): corrupted on disk or edited; {fix}"
+                        f"REPA features file {rname}: the commit record of shard {k} does not commit features of "
+                        f"this store's encoder (key {entry.get('key')}, the index has {self.repa.key}); {rfix}"
                     )
                     continue
-            if values:
-                bad = _nonfinite(self._map(k), self.spec.dtype)
-                if bad:
-                    count, first = bad
-                    problems.append(
-                        f"shard {fname} holds {count} non-finite values (NaN or inf; the first in its sample "
-                        f"{first // self.num_flips}): training on it gives a NaN loss; {fix}"
+                problem = _check_file(rname, "REPA features file", entry.get("sha256") if checksums else None, rfix)
+                if problem is None and values:
+                    problem = _nonfinite_problem(
+                        rname, "REPA features file", self._repa_map(k), "float16", self.num_flips, rfix
                     )
+                if problem:
+                    problems.append(problem)
         return problems
 
     # -- metadata ------------------------------------------------------------------
@@ -610,12 +820,22 @@ class LatentStore:
     def _map(self, k: int) -> np.ndarray:
         arr = self._maps.get(k)
         if arr is None:
-            if not self._maps:
-                _raise_nofile_limit(len(self._files))
+            if not self._maps and not self._repa_maps:
+                _raise_nofile_limit(len(self._files) + len(self._repa_files))
             mm = np.load(self._files[k], mmap_mode="r")
             # plain ndarray view: avoids np.memmap's per-slice bookkeeping in the hot loop
             arr = np.asarray(mm).reshape(-1, *self._sample_shape[1:])  # (n*F, K, C, H, W)
             self._maps[k] = arr
+        return arr
+
+    def _repa_map(self, k: int) -> np.ndarray:
+        arr = self._repa_maps.get(k)
+        if arr is None:
+            assert self.repa is not None
+            if not self._maps and not self._repa_maps:
+                _raise_nofile_limit(len(self._files) + len(self._repa_files))
+            arr = np.asarray(np.load(self._repa_files[k], mmap_mode="r")).reshape(-1, self.repa.tokens, self.repa.dim)
+            self._repa_maps[k] = arr  # (n*F, T, D)
         return arr
 
     def read(
@@ -631,6 +851,35 @@ class LatentStore:
         back in the order of ``indices``; the reads themselves are done in sorted order,
         shard by shard, which is what makes random batches fast on memory maps.
         """
+        return self._gather(self._map, self._sample_shape[1:], self.spec.np_dtype, indices, flip, out)
+
+    def read_features(
+        self,
+        indices: Union[np.ndarray, Sequence[int]],
+        flip: Union[None, int, np.ndarray] = None,
+        out: Optional[np.ndarray] = None,
+    ) -> np.ndarray:
+        """The REPA encoder's patch features of ``indices``, float16: (B, F, T, D) with ``flip=None``,
+        (B, T, D) for one flip per sample (an int or a (B,) array), read like :meth:`read`.
+        Flip 1 holds the features of the mirrored image (the image flip 1 of :meth:`read` encodes)."""
+        if self.repa is None:
+            raise StoreError(
+                f"{self.path} holds no REPA features: add them with `dit-lightning extract --output {self.path} "
+                "--repa_encoder ... --repa_weights ...`"
+            )
+        sample = (self.repa.tokens, self.repa.dim)
+        return self._gather(self._repa_map, sample, REPA_NP_DTYPE, indices, flip, out)
+
+    def _gather(
+        self,
+        rows_of: Callable[[int], np.ndarray],
+        row_shape: tuple[int, ...],
+        dtype: np.dtype,
+        indices: Union[np.ndarray, Sequence[int]],
+        flip: Union[None, int, np.ndarray],
+        out: Optional[np.ndarray],
+    ) -> np.ndarray:
+        """Rows of ``indices`` (and flips) from per-shard arrays ``rows_of(k)`` of (n*F, *row_shape)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         B = len(idx)
         F = self.num_flips
@@ -639,18 +888,18 @@ class LatentStore:
         if flip is None:
             rows = idx * F
             per = F  # consecutive rows to take per sample
-            shape = (B, *self._sample_shape)
+            shape: tuple[int, ...] = (B, F, *row_shape)
         else:
             f = np.broadcast_to(np.asarray(flip, dtype=np.int64), (B,))
             if B and (f.min() < 0 or f.max() >= F):
                 raise IndexError(f"flip ids must be in [0, {F})")
             rows = idx * F + f
             per = 1
-            shape = (B, *self._sample_shape[1:])
+            shape = (B, *row_shape)
         if out is None:
-            out = np.empty(shape, self.spec.np_dtype)
-        elif out.shape != shape or out.dtype != self.spec.np_dtype or not out.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous {shape} {self.spec.np_dtype}")
+            out = np.empty(shape, dtype)
+        elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous {shape} {dtype}")
         if B == 0:
             return out
         if np.all(idx[1:] >= idx[:-1]):
@@ -661,7 +910,7 @@ class LatentStore:
             order = np.argsort(idx, kind="stable")
             srows, sidx = rows[order], idx[order]
             buf = np.empty_like(out)
-        flat = buf.reshape(B * per, *self._sample_shape[1:])
+        flat = buf.reshape(B * per, *row_shape)
         # shard boundaries within the sorted batch
         bounds = np.searchsorted(sidx, self.offsets)
         nz = np.nonzero(bounds[1:] > bounds[:-1])[0]
@@ -671,7 +920,7 @@ class LatentStore:
             if per > 1:
                 local = (local[:, None] + np.arange(per)).reshape(-1)
             # mode="clip": bounds were checked above, and "raise" would buffer a second copy
-            np.take(self._map(int(k)), local, axis=0, out=flat[a * per : b * per], mode="clip")
+            np.take(rows_of(int(k)), local, axis=0, out=flat[a * per : b * per], mode="clip")
         if order is not None:
             out[order] = buf
         return out
@@ -690,17 +939,73 @@ class LatentStore:
     def close(self) -> None:
         """Drop the memory maps (they are reopened on the next read)."""
         self._maps.clear()
+        self._repa_maps.clear()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_maps"] = {}
+        state["_repa_maps"] = {}
         return state
 
     def __repr__(self) -> str:
         return (
             f"LatentStore({self.path!r}, n={len(self)}, latent_shape={self.latent_shape}, "
-            f"variant={self.variant!r}, dtype={self.dtype!r}, flips={self.flips}, classes={self.num_classes})"
+            f"variant={self.variant!r}, dtype={self.dtype!r}, flips={self.flips}, classes={self.num_classes}"
+            + (f", repa={self.repa.encoder!r} {self.repa.tokens}x{self.repa.dim}" if self.repa else "")
+            + ")"
         )
+
+
+def _check_npy(
+    fname: str,
+    what: str,
+    expected: tuple[int, ...],
+    axes: str,
+    dtype: np.dtype,
+    recorded_bytes: Optional[int],
+    fix: str,
+) -> None:
+    """Raise :class:`StoreError` unless ``fname`` is a whole C-order .npy of ``expected`` ``dtype``."""
+    if not os.path.exists(fname):
+        raise StoreError(f"{what} {fname} is missing; {fix}")
+    try:
+        shape, got, fortran, offset = _npy_header(fname)
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{what} {fname} has an unreadable header ({e}); {fix}") from None
+    if shape != expected:
+        raise StoreError(f"{what} {fname} has shape {shape}, the metadata expects {expected} {axes}; {fix}")
+    if got != dtype or fortran:
+        raise StoreError(f"{what} {fname} has dtype {got} (fortran={fortran}), expected {dtype}; {fix}")
+    size = os.path.getsize(fname)
+    want = offset + int(np.prod(expected)) * got.itemsize
+    if size != want:
+        raise StoreError(f"{what} {fname} is truncated or padded: {size} bytes, expected {want}; {fix}")
+    if recorded_bytes is not None and int(recorded_bytes) != size:
+        raise StoreError(f"{what} {fname} has {size} bytes, the index records {recorded_bytes}; {fix}")
+
+
+def _check_file(fname: str, what: str, want_sha256: Optional[str], fix: str) -> Optional[str]:
+    """The problem of a file whose sha256 is not the one its commit record took, or None."""
+    if not want_sha256:
+        return None
+    got = _sha256(fname)
+    if got == want_sha256:
+        return None
+    return (
+        f"{what} {fname} changed since it was written (sha256 {got[:12]}..., the commit record has "
+        f"{want_sha256[:12]}...): corrupted on disk or edited; {fix}"
+    )
+
+
+def _nonfinite_problem(fname: str, what: str, rows: np.ndarray, dtype: str, flips: int, fix: str) -> Optional[str]:
+    bad = _nonfinite(rows, dtype)
+    if not bad:
+        return None
+    count, first = bad
+    return (
+        f"{what} {fname} holds {count} non-finite values (NaN or inf; the first in its sample {first // flips}): "
+        f"training on it gives a NaN loss; {fix}"
+    )
 
 
 def _nonfinite(rows: np.ndarray, dtype: str, chunk: int = 4096) -> Optional[tuple[int, int]]:
@@ -737,8 +1042,8 @@ def store_info(path: PathLike) -> dict[str, Any]:
 
 
 # Names a store directory may hold: its files, the shards directory, and temporaries of atomic writes.
-_STORE_FILES = {META_FILE, PLAN_FILE, LABELS_FILE, SOURCES_FILE, REPORT_FILE}
-_SHARD_FILE = re.compile(r"^shard-\d{5,}(\.npy|\.labels\.npy|\.json)$")
+_STORE_FILES = {META_FILE, PLAN_FILE, REPA_PLAN_FILE, LABELS_FILE, SOURCES_FILE, REPORT_FILE}
+_SHARD_FILE = re.compile(r"^shard-\d{5,}(\.npy|\.labels\.npy|\.json|\.repa\.npy)$")
 _TEMPORARY = re.compile(r"^\..+\.tmp$")
 
 
