@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -30,6 +31,7 @@ from .checkpoints import (
     sit_output_layout,
     strip_prefix,
 )
+from .data.store import file_sha256
 from .diffusion import FlowMatching, PathType, Prediction, TimeDistribution, create_diffusion, min_snr_weight
 from .diffusion.gaussian_diffusion import ModelFn
 from .distributed.ops import clip_gradients, ema_update_, grad_norm
@@ -305,6 +307,36 @@ class DiTModule(L.LightningModule):
                 f"the DiT has {mine} tokens; they must match one to one: set model.repa.image_size so that the "
                 f"encoder's patch grid is {self.model.input_size // self.model.patch_size}x"
                 f"{self.model.input_size // self.model.patch_size} (DINOv2 at 224 px for 256 px images and patch 2)"
+            )
+
+    def on_fit_start(self) -> None:
+        self._check_repa_store()
+
+    def _check_repa_store(self) -> None:
+        """Features precomputed in the store must be this run's encoder's: the same encoder, weights
+        (by checksum), feature width and token count; else say what differs before the first step."""
+        data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        spec = getattr(data, "repa_spec", None)
+        if self.repa is None or not spec:
+            return
+        problems = []
+        if spec.get("dim") != self.repa.feature_dim:
+            problems.append(f"feature width {spec.get('dim')} (the encoder gives {self.repa.feature_dim})")
+        tokens = (self.model.input_size // self.model.patch_size) ** 2
+        if spec.get("tokens") != tokens:
+            problems.append(f"{spec.get('tokens')} tokens (the DiT has {tokens})")
+        if self.repa.weights and os.path.isfile(self.repa.weights) and spec.get("weights_sha256"):
+            if file_sha256(self.repa.weights) != spec["weights_sha256"]:
+                problems.append(f"weights {spec.get('weights')} (not the bytes of {self.repa.weights})")
+        elif os.path.basename(str(spec.get("encoder"))) != os.path.basename(str(self.repa.encoder)):
+            problems.append(f"encoder {spec.get('encoder')} (this run: {self.repa.encoder})")
+        if spec.get("image_size") != self.repa.image_size:
+            problems.append(f"image size {spec.get('image_size')} (this run: {self.repa.image_size})")
+        if problems:
+            raise ValueError(
+                "the store's REPA features were made with another encoder: " + "; ".join(problems) + ". Extract the "
+                "features of this run's encoder (dit-lightning extract --output STORE --repa_encoder ... "
+                "--repa_weights ...), or set data.repa_features false to compute them online"
             )
 
     def _keep_repa_hidden(self, _block: nn.Module, _args: Any, out: Tensor) -> None:

@@ -193,3 +193,25 @@ def test_repa_under_the_levers_split_steps_recomputation_and_bf16(encoder_file):
     mixed = repa_module(encoder_file)
     trainer(max_steps=1, limit_val_batches=0, precision="bf16-mixed").fit(mixed, data)
     assert all(torch.isfinite(p).all() for p in mixed.parameters())
+
+
+def test_features_from_the_store_are_the_online_ones_and_another_encoders_are_refused(tmp_path, encoder_file):
+    from dit_lightning.data import LatentDataModule, prepare_digits
+    from dit_lightning.data.extract import extract_features
+
+    store = prepare_digits(str(tmp_path / "digits"))
+    extract_features(store, ENCODER, repa_weights=encoder_file, device="cpu", num_workers=0, progress=False)
+    dm = LatentDataModule(store, global_batch_size=16, val_size=32, num_workers=0)
+    module = repa_module(encoder_file, latent_shape=dm.latent_shape)
+    dm.setup("fit")
+    b = next(iter(dm.train_dataloader()))
+    precomputed = module.repa_features(b)
+    online = module.repa_features({k: v for k, v in b.items() if k != "repa"})
+    torch.testing.assert_close(precomputed, online, rtol=2e-3, atol=2e-3)  # stored in float16
+    trainer(max_steps=1, limit_val_batches=0).fit(module, dm)  # the store's features, this run's encoder
+
+    other = tmp_path / "other.pt"
+    torch.save(DigitsEncoder().state_dict(), other)
+    wrong = repa_module(str(other), latent_shape=dm.latent_shape)
+    with pytest.raises(ValueError, match="made with another encoder: weights"):
+        trainer(max_steps=1, limit_val_batches=0).fit(wrong, dm)

@@ -333,7 +333,8 @@ def _check_format(d: dict[str, Any], path: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """The sha256 of a file's bytes, read in 4 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -383,7 +384,7 @@ def write_shard(
         "items": list(spec.shard_range(k)),
         "data_file": os.path.basename(data_path),
         "data_bytes": os.path.getsize(data_path),
-        "data_sha256": _sha256(data_path),
+        "data_sha256": file_sha256(data_path),
         "labels_file": os.path.basename(labels_path),
         "labels_bytes": os.path.getsize(labels_path),
         "sources": list(sources),
@@ -412,7 +413,7 @@ def _save_features(root: str, k: int, spec: StoreSpec, repa: RepaSpec, features:
     return {
         "file": os.path.basename(path),
         "bytes": os.path.getsize(path),
-        "sha256": _sha256(path),
+        "sha256": file_sha256(path),
         "key": repa.key,
     }
 
@@ -988,7 +989,7 @@ def _check_file(fname: str, what: str, want_sha256: Optional[str], fix: str) -> 
     """The problem of a file whose sha256 is not the one its commit record took, or None."""
     if not want_sha256:
         return None
-    got = _sha256(fname)
+    got = file_sha256(fname)
     if got == want_sha256:
         return None
     return (
