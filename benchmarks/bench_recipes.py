@@ -211,7 +211,22 @@ def main() -> None:
     p.add_argument("--sample-steps", type=int, default=50)
     p.add_argument("--workdir", default=os.path.join(REPO, "outputs", "bench_recipes"))
     p.add_argument("--output", default=OUT_STEM, help="stem of the .md/.csv/.png results")
+    p.add_argument(
+        "--report-only", action="store_true", help="summarise the runs already finished under --workdir, run nothing"
+    )
     args = p.parse_args()
+    if args.report_only:
+        curves = {}
+        for recipe in args.recipes:
+            for seed in args.seeds:
+                done = os.path.join(args.workdir, f"{recipe}-seed{seed}", "curve.json")
+                if os.path.exists(done):
+                    with open(done) as f:
+                        curves.setdefault(recipe, []).extend(json.load(f))
+        args.seeds = sorted({p["seed"] for points in curves.values() for p in points})
+        rows, reach = summarise(curves)
+        report(args, rows, reach, 0.0)
+        return
     os.makedirs(args.workdir, exist_ok=True)
     store, _ = prepare(args.workdir)
     encoder = train_encoder(args.workdir, store) if "flow-repa" in args.recipes else None
@@ -238,7 +253,8 @@ def report(args: argparse.Namespace, rows: list[dict], reach: dict[str, Any], se
         "# Training recipes on the digits demo: quality vs step",
         "",
         f"{dt.date.today().isoformat()}, {platform.processor() or platform.machine()} CPU, "
-        f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}; {seconds / 60:.0f} min for the runs made now.",
+        f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}"
+        + (f"; {seconds / 60:.0f} min for the runs made now." if seconds else "; summarised from the finished runs."),
         "",
         f"    python benchmarks/bench_recipes.py --recipes {' '.join(args.recipes)} --seeds "
         f"{' '.join(map(str, args.seeds))} --steps {args.steps} --eval-every {args.eval_every} "

@@ -74,7 +74,7 @@ class SampleGrid(L.Callback):
         classes: the rows (default: up to ten).
         per_class: images per row.
         num_steps: sampling steps.
-        sampler: the sampler.
+        sampler: the sampler (default: the module's, e.g. ``sde-euler`` for a flow model).
         cfg_scale: guidance scale.
         seed: of the noise.
         output: the PNG of the end of fit (``{log_dir}``: the run's directory).
@@ -90,7 +90,7 @@ class SampleGrid(L.Callback):
         classes: Optional[list[int]] = None,
         per_class: int = 8,
         num_steps: int = 50,
-        sampler: Sampler = "ddpm",
+        sampler: Optional[Sampler] = None,
         cfg_scale: float = 1.0,
         seed: int = 0,
         output: Optional[str] = None,

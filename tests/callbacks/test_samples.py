@@ -81,3 +81,15 @@ def test_the_grid_samples_with_its_options_and_caps_its_cost():
     assert len(module.calls) == 2 and off.output_locations(trainer, "fit") == []
     with pytest.raises(ValueError, match="max_cost"):
         SampleGrid(max_cost=0)
+
+
+def test_the_grid_of_a_flow_model_samples_with_the_models_sampler():
+    from dit_lightning.module import DiTModule
+    from tests.helpers.training import TINY_MODULE
+
+    module = DiTModule(**TINY_MODULE, objective="flow")
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, accumulate_grad_batches=1, loggers=[])
+    image = SampleGrid(classes=[1, 2], per_class=2, num_steps=3).render(trainer, module)  # sde-euler, the module's
+    assert image.shape == (3, 2 * 9 + 1, 2 * 9 + 1) and torch.isfinite(image).all()
+    with pytest.raises(ValueError, match="trained with flow matching"):
+        SampleGrid(classes=[1], per_class=1, num_steps=3, sampler="ddpm").render(trainer, module)
