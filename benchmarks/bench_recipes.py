@@ -215,8 +215,8 @@ def main() -> None:
         "--report-only", action="store_true", help="summarise the runs already finished under --workdir, run nothing"
     )
     args = p.parse_args()
+    curves: dict[str, list[dict]] = {}
     if args.report_only:
-        curves = {}
         for recipe in args.recipes:
             for seed in args.seeds:
                 done = os.path.join(args.workdir, f"{recipe}-seed{seed}", "curve.json")
@@ -231,7 +231,6 @@ def main() -> None:
     store, _ = prepare(args.workdir)
     encoder = train_encoder(args.workdir, store) if "flow-repa" in args.recipes else None
     t0 = time.perf_counter()
-    curves: dict[str, list[dict]] = {}
     for seed in args.seeds:  # seed by seed: an interrupted benchmark has every recipe for the first seeds
         for recipe in args.recipes:
             curves.setdefault(recipe, []).extend(run_one(args, recipe, seed, store, encoder))
