@@ -196,8 +196,9 @@ def sample(
         objective: what trained a checkpoint that does not record it (a released raw state dict:
             ``flow`` for SiT's ``SiT-XL-2-256x256.pt``; DDPM when unset). A checkpoint that records its
             objective is sampled as it says, and a contradicting value is refused.
-        path_type / prediction: the flow's interpolant and output of such a file (SiT's: linear,
-            velocity); its default sampler is SiT's ``sde-euler``.
+        path_type: the declared flow's interpolant (SiT's ``linear``); its default sampler is SiT's
+            ``sde-euler``.
+        prediction: the declared flow's network output (SiT's ``velocity``).
     """
     t_start = time.perf_counter()
     options = SamplingOptions(**sampling)  # jsonargparse reads the flat flags off this call
