@@ -151,6 +151,7 @@ RUNS = {
         ckpt_path=str(a.out / "powersgd" / f"epoch=0-step={CKPT_STEP}.ckpt"),
     ),
     "fsdp2": lambda a: _run(a, "fsdp2", DiTFSDP2Strategy(process_group_backend="gloo")),
+    "fsdp2_accum": lambda a: _run(a, "fsdp2_accum", DiTFSDP2Strategy(process_group_backend="gloo"), accumulate=2),
     "fsdp2_no_reshard": lambda a: _run(
         a, "fsdp2_no_reshard", DiTFSDP2Strategy(process_group_backend="gloo", reshard_after_forward=False)
     ),
