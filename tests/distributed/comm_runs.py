@@ -39,14 +39,14 @@ WARMUP = 2  # PowerSGD's plain all-reduce steps (the fewest PyTorch allows)
 CKPT_STEP = 4  # PowerSGD is running by then: error feedback, P and Q exist
 # The network the byte counts are planned for (tests/distributed/test_communication.py): small, with
 # matrices large enough that PowerSGD compresses them.
-NET = dict(model="custom", depth=2, hidden_size=64, num_heads=4, patch_size=2)
+NET: dict[str, Any] = dict(model="custom", depth=2, hidden_size=64, num_heads=4, patch_size=2)
 
 
 def build(data: str) -> tuple[DiTModule, LatentDataModule]:
     L.seed_everything(0, verbose=False)
     dm = LatentDataModule(data, global_batch_size=GLOBAL_BATCH, val_size=32, num_workers=0, random_flip=False)
     module = DiTModule(
-        **NET,  # type: ignore[arg-type]
+        **NET,
         latent_shape=dm.latent_shape,
         num_classes=dm.num_classes,
         ema_decay=0.9,
