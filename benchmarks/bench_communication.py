@@ -234,7 +234,9 @@ def write(rows: list[dict[str, Any]], demo: list[dict[str, Any]], args: argparse
         keys = [k for k in keys if any(s in k for s in ("accuracy", "loss", "fd"))] or keys
         steps = sorted(set.intersection(*(set(d["losses"]) for d in demo)))
         marks = [s for s in steps if s in (steps[0], steps[len(steps) // 4], steps[len(steps) // 2], steps[-1])]
-        md.write("| communication | " + " | ".join(f"train loss @{s}" for s in marks) + " | mean train loss, last 20% |")
+        md.write(
+            "| communication | " + " | ".join(f"train loss @{s}" for s in marks) + " | mean train loss, last 20% |"
+        )
         md.write(" | ".join([""] + keys) + " |\n")
         md.write("|---" * (2 + len(marks) + len(keys)) + "|\n")
         for d in demo:
