@@ -246,11 +246,11 @@ def write(rows: list[dict[str, Any]], demo: list[dict[str, Any]], args: argparse
             cells += [f"{flat.get(k, float('nan')):.4g}" for k in keys]
             md.write(f"| {d['communication']} | " + " | ".join(cells) + " |\n")
         with open(output / "communication_demo_cpu.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["communication", "step", "train_loss"])
+            writer = csv.writer(f)
+            writer.writerow(["communication", "step", "train_loss"])
             for d in demo:
                 for s in sorted(d["losses"]):
-                    w.writerow([d["communication"], s, d["losses"][s]])
+                    writer.writerow([d["communication"], s, d["losses"][s]])
     (output / "communication_cpu.md").write_text(md.getvalue())
     print(md.getvalue())
 
