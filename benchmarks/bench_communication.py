@@ -163,16 +163,16 @@ def demo_run(work: Path, communication: str, steps: int, warmup: int) -> dict[st
         fit += ["--trainer.strategy.powersgd_warmup_steps", str(warmup)]
     cli = [sys.executable, "-m", "dit_lightning.cli"]
     subprocess.run(cli + fit, env=_env(), cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt = last.read_text().strip()
-    test = ["test", "--config", "configs/demo.yaml", "--config", "configs/hardware/cpu.yaml"]
-    test += ["--config", str(override), "--ckpt_path", ckpt]
-    subprocess.run(cli + test, env=_env(), cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    losses: dict[int, float] = {}
+    losses: dict[int, float] = {}  # read before `test`, which logs into the same run directory
     for path in out.rglob("metrics.csv"):
         with open(path) as f:
             for row in csv.DictReader(f):
                 if row.get("train/loss"):
                     losses[int(row["step"])] = float(row["train/loss"])
+    ckpt = last.read_text().strip()
+    test = ["test", "--config", "configs/demo.yaml", "--config", "configs/hardware/cpu.yaml"]
+    test += ["--config", str(override), "--ckpt_path", ckpt]
+    subprocess.run(cli + test, env=_env(), cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics: dict[str, Any] = {}
     for path in out.rglob("test_metrics.json"):
         metrics = json.loads(path.read_text())
@@ -261,10 +261,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--demo", action="store_true", help="also the three demo runs (CPU-heavy)")
     parser.add_argument("--steps", type=int, default=1000, help="demo optimiser steps")
     parser.add_argument("--warmup", type=int, default=100, help="PowerSGD's plain all-reduce steps in the demo")
+    parser.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
     parser.add_argument("--skip-bytes", action="store_true", help="reuse --output's byte table (demo only)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+        work = Path(tmp) if args.work is None else args.work
         if args.skip_bytes:
             with open(args.output / "communication_cpu.csv") as f:
                 rows: list[dict[str, Any]] = list(csv.DictReader(f))
