@@ -237,7 +237,7 @@ def write(rows: list[dict[str, Any]], demo: list[dict[str, Any]], args: argparse
         md.write(
             "| communication | " + " | ".join(f"train loss @{s}" for s in marks) + " | mean train loss, last 20% |"
         )
-        md.write(" | ".join([""] + keys) + " |\n")
+        md.write("".join(f" {k} |" for k in keys) + "\n")
         md.write("|---" * (2 + len(marks) + len(keys)) + "|\n")
         for d in demo:
             tail = [d["losses"][s] for s in steps[int(0.8 * len(steps)) :]]
