@@ -54,6 +54,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_sampling.py --threads 1 --repeats 3
 	$(BIN)/python benchmarks/bench_loader.py
 	$(BIN)/python benchmarks/bench_step.py
+	$(BIN)/python benchmarks/bench_communication.py
 	@echo "not run: bench_shrink.py needs a trained teacher checkpoint (its command: docs/benchmarks/shrink_cpu.md)"
 
 # No install prerequisite: the script finds (or installs) an interpreter with the dependencies itself,

@@ -22,7 +22,10 @@ Frechet distance (classifier space) reaches the DDPM baseline's final one.
     python benchmarks/bench_recipes.py                    # all recipes, 3 seeds, 1000 steps
     python benchmarks/bench_recipes.py --recipes ddpm flow-uniform --seeds 0
 
-Runs are resumable: each (recipe, seed) keeps its metrics under --workdir and is skipped when done.
+Runs are resumable: each (recipe, seed) keeps its metrics under --workdir and is skipped when done;
+several processes may share the workdir (``OMP_NUM_THREADS=1``, one per core: faster than one process
+with two threads for this tiny network), each claiming the runs it makes; ``--report-only`` then
+summarises them all.
 Results: stdout and docs/benchmarks/recipes_digits.{md,csv,png}.
 """
 
@@ -108,6 +111,11 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, store: str, encode
     if os.path.exists(done):
         with open(done) as f:
             return json.load(f)
+    try:  # several benchmark processes may share a workdir (e.g. one per core): each run is made once
+        os.makedirs(run_dir + ".claimed")
+    except FileExistsError:
+        log(f"{recipe} seed {seed}: made by another process")
+        return []
     extra = list(RECIPES[recipe])
     if recipe == "flow-repa":
         extra += ["--model.repa.weights", str(encoder)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Literal, Optional, Union
 
-from ..planner.hardware import gpu_names, gpu_spec, local_gpu
+from ..planner.hardware import INTERCONNECTS, gpu_names, gpu_spec, local_gpu
 from ..planner.memory import (
     CheckpointArg,
     DeviceKind,
@@ -18,8 +18,8 @@ from ..planner.memory import (
     plan_memory,
 )
 from ..planner.profiles import fit_command, render_yaml
-from ..planner.recommend import Recommendation, recommend
-from ..planner.report import render_memory, render_recommendation
+from ..planner.recommend import Recommendation, recommend, step_time
+from ..planner.report import communication_line, render_memory, render_recommendation
 from ..precision import TrainingPrecision
 
 
@@ -56,6 +56,8 @@ def plan(
     in_channels: int = 4,
     num_classes: int = 1000,
     qk_norm: bool = False,
+    communication: str = "none",
+    interconnect: Optional[str] = None,
 ) -> Union[MemoryPlan, Recommendation]:
     """Plan the GPU memory of DiT training, or (``--fit``) recommend the fastest setup that fits.
 
@@ -94,6 +96,10 @@ def plan(
         in_channels: latent channels (4 for the SD VAE).
         num_classes: number of classes (1000 for ImageNet).
         qk_norm: the model's QK-norm (--model.qk_norm): LayerNorm of q and k, more saved tensors per block.
+        communication: gradient reduction: none (fp32), bf16 or fp16 (DDP hook / FSDP reduce_dtype), powersgd or
+            powersgd:R (DDP); priced in the step time.
+        interconnect: the link between a node's GPUs (INTERCONNECT_NAMES), optionally +network between nodes
+            (nvlink4+ib-ndr); default: the GPU's own.
     """
     if format == "yaml" and not fit:
         raise ValueError("--format yaml writes a hardware profile of a recommendation: add --fit")
@@ -133,6 +139,9 @@ def plan(
         ema=ema,
         attention=attention,
         device=device,
+        communication=communication,
+        interconnect=interconnect,
+        num_nodes=num_nodes,
     )
     result: Union[MemoryPlan, Recommendation]
     if fit:
@@ -159,8 +168,15 @@ def plan(
         render_recommendation(result)
     else:
         render_memory(result)
+        if gpu is not None and world_size > 1:  # the step's communication on this GPU's links
+            from rich.console import Console
+
+            timing = step_time(options, gpu_spec(gpu), micro_batch * world_size * accumulate_grad_batches)
+            Console().print(communication_line(timing.communication, timing.step_s), soft_wrap=True)
     return result
 
 
 # The help lists the GPU table as it is (one source: planner/hardware.py).
-plan.__doc__ = (plan.__doc__ or "").replace("GPU_NAMES", gpu_names())
+plan.__doc__ = (
+    (plan.__doc__ or "").replace("GPU_NAMES", gpu_names()).replace("INTERCONNECT_NAMES", ", ".join(INTERCONNECTS))
+)

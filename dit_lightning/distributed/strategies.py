@@ -3,7 +3,9 @@
 * :class:`DiTDDPStrategy` -- DDP with DiT's settings: ``gradient_as_bucket_view=True``,
   ``find_unused_parameters=False`` (every trainable parameter gets a gradient at every step;
   the fixed ``pos_embed`` and the EMA copy have ``requires_grad=False`` and are not reduced),
-  and ``static_graph`` only where it is compatible (not with gradient accumulation).
+  ``static_graph`` only where it is compatible (not with gradient accumulation), and the
+  gradient ``communication`` (PyTorch's bf16 / fp16 / PowerSGD comm hooks, :mod:`.communication`;
+  PowerSGD's state is saved with every checkpoint and resumes bit for bit).
 * :class:`DiTFSDPStrategy` -- Lightning's FSDPStrategy (FSDP1, GPU only in Lightning 2.6)
   wrapping every :class:`~dit_lightning.models.DiTBlock` and each whole DiT (the trained one
   and its EMA) in their own FSDP units, ``use_orig_params=True`` (the frozen ``pos_embed`` sits
@@ -23,7 +25,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from torch import nn
@@ -31,7 +35,18 @@ from torch import nn
 from ..atomic import commit_directory, recover_directory, staging_directory
 from ..models import DiT, DiTBlock
 from ..precision import DTypeName, optional_dtype
+from .communication import (
+    POWERSGD_RANK,
+    POWERSGD_WARMUP_STEPS,
+    Communication,
+    PowerSGDCheckpoint,
+    check_backend,
+    check_communication,
+    comm_hook,
+)
 from .sharding import _dit_children
+
+POWERSGD_KEY = "powersgd"  # the checkpoint's entry: every rank's PowerSGD state
 
 
 class DiTDDPStrategy(DDPStrategy):
@@ -48,6 +63,12 @@ class DiTDDPStrategy(DDPStrategy):
             (``pos_embed`` and the EMA are ``requires_grad=False`` and are not reduced at all).
         bucket_cap_mb: DDP bucket size (default 25 MB).
         process_group_backend: "nccl" on GPU, "gloo" on CPU (default: chosen by device).
+        communication: how gradients are all-reduced (PyTorch's DDP comm hooks): none (fp32),
+            bf16 / fp16 (cast to 16 bits: half the bytes, rounding of the summed gradient),
+            powersgd (rank-r approximation of every matrix with error feedback: ~100x fewer bytes).
+        powersgd_rank: PowerSGD's matrix_approximation_rank (default 4).
+        powersgd_warmup_steps: optimiser steps of plain all-reduce before PowerSGD starts (PyTorch's
+            start_powerSGD_iter; default 1000, at least 2).
     """
 
     def __init__(
@@ -59,7 +80,16 @@ class DiTDDPStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        communication: Communication = "none",
+        powersgd_rank: Optional[int] = None,
+        powersgd_warmup_steps: Optional[int] = None,
     ) -> None:
+        check_communication(communication, powersgd_rank, powersgd_warmup_steps)
+        self.communication = communication
+        self.powersgd_rank = POWERSGD_RANK if powersgd_rank is None else powersgd_rank
+        self.powersgd_warmup_steps = POWERSGD_WARMUP_STEPS if powersgd_warmup_steps is None else powersgd_warmup_steps
+        self.powersgd: Optional[PowerSGDCheckpoint] = None  # built with the DDP model (setup)
+        self._powersgd_restore: Optional[dict[str, Any]] = None  # this rank's state from a checkpoint
         kwargs: dict[str, Any] = dict(
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
@@ -78,7 +108,73 @@ class DiTDDPStrategy(DDPStrategy):
                 "(DDP's no_sync breaks the static graph): training with static_graph=False"
             )
             self._ddp_kwargs["static_graph"] = False
+        check_backend(self.communication, self._get_process_group_backend())
         super().setup(trainer)
+
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers comm hooks on CUDA only (a PyTorch 1.8 limit): PyTorch's hooks run on gloo too.
+        if self.communication == "none":
+            return super()._register_ddp_hooks()
+        from torch.nn.parallel import DistributedDataParallel
+
+        assert isinstance(self.model, DistributedDataParallel)
+        state: Any
+        hook: Any
+        if self.communication == "powersgd":
+            self.powersgd = PowerSGDCheckpoint(
+                self.model.module, rank=self.powersgd_rank, warmup_steps=self.powersgd_warmup_steps
+            )
+            if self._powersgd_restore is not None:
+                self.powersgd.load_state_dict(self._powersgd_restore)
+                self._powersgd_restore = None
+            state, hook = self.powersgd, PowerSGDCheckpoint.hook
+        else:
+            state, hook = comm_hook(self.communication)
+        _register_ddp_comm_hook(self.model, ddp_comm_state=state, ddp_comm_hook=hook)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """PowerSGD's error feedback is each rank's own: every rank's state goes into rank 0's file
+        (a collective: every rank saves, as Lightning's ``Trainer.save_checkpoint`` does)."""
+        if self.powersgd is not None:
+            own = self.powersgd.state_dict()
+            states: list[Any] = [None] * self.world_size
+            if self.world_size > 1:
+                torch.distributed.gather_object(own, states if self.global_rank == 0 else None, dst=0)
+            else:
+                states = [own]
+            if self.global_rank == 0:
+                assert all(s is not None for s in states)
+                # P and Q are all-reduced, equal on every rank: kept once
+                shared = {k: v for k, v in states[0].items() if k != "error"}
+                checkpoint = {**checkpoint, POWERSGD_KEY: {**shared, "error": [s["error"] for s in states]}}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.pop(POWERSGD_KEY, None)
+        if self.communication != "powersgd":
+            return checkpoint
+        if saved is None:
+            # no PowerSGD state (another communication, or an older run): PowerSGD's warm-up counts the run's steps
+            saved = {"iter": int(checkpoint.get("global_step", 0)), "rng": None}
+        errors = saved.get("error") or []
+        if errors and len(errors) != self.world_size:
+            rank_zero_warn(
+                f"the checkpoint's PowerSGD error feedback is of {len(errors)} ranks, this run has {self.world_size}: "
+                "starting it from zero (the run continues, not bit for bit)"
+            )
+        own = {
+            **saved,
+            "error": errors[self.global_rank] if len(errors) == self.world_size else {},
+            "p": saved.get("p", {}),
+            "q": saved.get("q", {}),
+            "rank": saved.get("rank", self.powersgd_rank),
+        }
+        if self.powersgd is not None:  # hooks already registered (a restore after setup)
+            self.powersgd.load_state_dict(own)
+        else:
+            self._powersgd_restore = own
+        return checkpoint
 
 
 ShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]

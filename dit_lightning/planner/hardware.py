@@ -6,6 +6,12 @@ accumulation; ``usable_gib`` is what ``torch.cuda.get_device_properties(0).total
 reports (a little less than the marketed size: ECC and the driver's reservation);
 ``link_gbs`` is a rough NCCL bus bandwidth inside one node (NVLink for SXM parts, PCIe for
 the others; consumer cards have no P2P). They are approximations for planning, not promises.
+
+The communication model (:mod:`.communication`) reads the links from :data:`INTERCONNECTS` instead:
+each with its nominal per-direction bandwidth per GPU, the bandwidth a ring all-reduce achieves on it
+(NCCL's "bus bandwidth", what the planner divides bytes by) and the source of both;
+:data:`DEFAULT_INTERCONNECT` / :data:`DEFAULT_NETWORK` say which link each GPU of the table has
+inside a node and between nodes when the run does not say.
 """
 
 from __future__ import annotations
@@ -77,6 +83,184 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec("rtx5090", 32, 31.4, 209.5, 209.5, 104.8, 104.8, 1.792, 20),
     )
 }
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """A link between GPUs, per GPU and per direction (GB/s = 1e9 bytes/s)."""
+
+    name: str
+    nominal_gbs: float  # the specification's per-direction rate per GPU
+    effective_gbs: float  # what a ring all-reduce reaches (NCCL bus bandwidth): the planner's figure
+    between_nodes: bool
+    description: str
+    source: str  # where nominal_gbs comes from, and why effective_gbs is what it is
+
+
+# PCIe: x16 lanes x transfer rate x 128b/130b coding (PCI-SIG PCIe 4.0 / 5.0 base specifications):
+# 31.5 / 63 GB/s per direction. NCCL's all_reduce_perf reaches ~70% of it with P2P (TLP overheads, the
+# switch); without P2P (GeForce cards: the driver refuses it) every byte is staged through a host bounce
+# buffer and crosses PCIe twice: half of that again. NVLink: per-GPU totals of NVIDIA's datasheets are
+# bidirectional (V100 300, A100 600, H100 900, B200 1800 GB/s): half per direction; NVIDIA's published
+# NCCL bus bandwidths on DGX systems are ~80% of the per-direction rate. Between nodes: the line rate of
+# one adapter per GPU (rail-optimised, as in DGX systems; fewer adapters: divide), InfiniBand at ~90%
+# with GPUDirect RDMA, Ethernet (RoCE) at ~80%.
+_PCIE = "PCI-SIG PCIe {v} base specification: {rate} GT/s x16, 128b/130b = {gbs} GB/s per direction"
+INTERCONNECTS: dict[str, Interconnect] = {
+    i.name: i
+    for i in (
+        Interconnect(
+            "pcie4",
+            31.5,
+            11.0,
+            False,
+            "PCIe 4.0 x16 without peer-to-peer (through host memory)",
+            _PCIE.format(v="4.0", rate=16, gbs=31.5) + "; 70% achieved, halved: each byte crosses PCIe twice",
+        ),
+        Interconnect(
+            "pcie4-p2p",
+            31.5,
+            22.0,
+            False,
+            "PCIe 4.0 x16 with peer-to-peer",
+            _PCIE.format(v="4.0", rate=16, gbs=31.5) + "; ~70% in NCCL's all_reduce_perf",
+        ),
+        Interconnect(
+            "pcie5",
+            63.0,
+            22.0,
+            False,
+            "PCIe 5.0 x16 without peer-to-peer (through host memory)",
+            _PCIE.format(v="5.0", rate=32, gbs=63) + "; 70% achieved, halved: each byte crosses PCIe twice",
+        ),
+        Interconnect(
+            "pcie5-p2p",
+            63.0,
+            44.0,
+            False,
+            "PCIe 5.0 x16 with peer-to-peer",
+            _PCIE.format(v="5.0", rate=32, gbs=63) + "; ~70% in NCCL's all_reduce_perf",
+        ),
+        Interconnect(
+            "nvlink2",
+            150.0,
+            130.0,
+            False,
+            "NVLink 2 (V100 SXM2, 6 links)",
+            "NVIDIA V100 datasheet: 300 GB/s NVLink (bidirectional); DGX-1 NCCL bus bandwidth ~130 GB/s",
+        ),
+        Interconnect(
+            "nvlink3",
+            300.0,
+            230.0,
+            False,
+            "NVLink 3 (A100 SXM4, 12 links, NVSwitch)",
+            "NVIDIA A100 datasheet: 600 GB/s NVLink (bidirectional); DGX A100 NCCL bus bandwidth ~230 GB/s",
+        ),
+        Interconnect(
+            "nvlink4",
+            450.0,
+            360.0,
+            False,
+            "NVLink 4 (H100 / H200 SXM5, 18 links, NVSwitch)",
+            "NVIDIA H100 datasheet: 900 GB/s NVLink (bidirectional); DGX H100 NCCL bus bandwidth ~360 GB/s",
+        ),
+        Interconnect(
+            "nvlink5",
+            900.0,
+            720.0,
+            False,
+            "NVLink 5 (B200 / GB200, 18 links, NVSwitch)",
+            "NVIDIA Blackwell datasheet: 1.8 TB/s NVLink (bidirectional); 80% achieved as for NVLink 3/4 (estimate)",
+        ),
+        Interconnect(
+            "ib-hdr",
+            25.0,
+            22.5,
+            True,
+            "InfiniBand HDR, 200 Gb/s per GPU",
+            "NVIDIA ConnectX-6 / InfiniBand HDR: 200 Gb/s line rate; ~90% with GPUDirect RDMA",
+        ),
+        Interconnect(
+            "ib-ndr",
+            50.0,
+            45.0,
+            True,
+            "InfiniBand NDR, 400 Gb/s per GPU",
+            "NVIDIA ConnectX-7 / InfiniBand NDR: 400 Gb/s line rate; ~90% with GPUDirect RDMA",
+        ),
+        Interconnect(
+            "100gbe",
+            12.5,
+            10.0,
+            True,
+            "100 Gb Ethernet per node or GPU (RoCE)",
+            "IEEE 802.3 100GBASE: 100 Gb/s line rate; ~80% with RoCE",
+        ),
+        Interconnect(
+            "200gbe",
+            25.0,
+            20.0,
+            True,
+            "200 Gb Ethernet (RoCE)",
+            "IEEE 802.3 200GBASE: 200 Gb/s line rate; ~80% with RoCE",
+        ),
+        Interconnect(
+            "400gbe",
+            50.0,
+            40.0,
+            True,
+            "400 Gb Ethernet (RoCE)",
+            "IEEE 802.3 400GBASE: 400 Gb/s line rate; ~80% with RoCE",
+        ),
+    )
+}
+
+# The link between the GPUs of one node for each GPU of the table: NVLink for SXM parts (and the
+# Grace-Hopper superchip's NVLink switch systems), PCIe with peer-to-peer for data-centre and
+# workstation PCIe cards, PCIe without it for GeForce cards (the driver disables P2P).
+DEFAULT_INTERCONNECT: dict[str, str] = {
+    "rtx3090": "pcie4",
+    "rtx3090-ti": "pcie4",
+    "rtx4090": "pcie4",
+    "rtx5090": "pcie5",
+    "rtx-a6000": "pcie4-p2p",
+    "l4": "pcie4-p2p",
+    "l40s": "pcie4-p2p",
+    "v100-32gb": "nvlink2",
+    "a100-40gb": "nvlink3",
+    "a100-80gb": "nvlink3",
+    "h100-80gb": "nvlink4",
+    "h100-pcie": "pcie5-p2p",
+    "h100-nvl": "pcie5-p2p",  # its NVLink bridge joins pairs only
+    "h200-nvl": "pcie5-p2p",
+    "h200": "nvlink4",
+    "gh200": "nvlink4",
+}
+# Between nodes, where the run does not say: what the systems built around these GPUs ship with.
+DEFAULT_NETWORK: dict[str, str] = {"a100-40gb": "ib-hdr", "a100-80gb": "ib-hdr", "v100-32gb": "100gbe"}
+DEFAULT_NETWORK_FALLBACK = "ib-ndr"  # Hopper systems; consumer cards across nodes rarely have better than 100GbE
+CONSUMER_NETWORK = "100gbe"
+
+
+def interconnect(name: str) -> Interconnect:
+    """A link of :data:`INTERCONNECTS` by name."""
+    key = name.strip().lower()
+    if key not in INTERCONNECTS:
+        raise ValueError(f"unknown interconnect '{name}': choose one of {', '.join(INTERCONNECTS)}")
+    return INTERCONNECTS[key]
+
+
+def default_links(gpu: Optional[str]) -> tuple[str, str]:
+    """(link inside a node, link between nodes) of a GPU of the table (PCIe 4.0 without P2P and
+    100GbE for a GPU the table does not know)."""
+    if gpu not in DEFAULT_INTERCONNECT:
+        return "pcie4", CONSUMER_NETWORK
+    intra = DEFAULT_INTERCONNECT[gpu]
+    if gpu in DEFAULT_NETWORK:
+        return intra, DEFAULT_NETWORK[gpu]
+    return intra, CONSUMER_NETWORK if intra in ("pcie4", "pcie5") else DEFAULT_NETWORK_FALLBACK
+
 
 _ALIASES = {
     "3090": "rtx3090",

@@ -118,6 +118,11 @@ class PlanOptions:
             materialises the T x T attention matrix (reference-style code).
         device: ``cuda`` adds the CUDA context, workspaces and allocator headroom; ``cpu``
             predicts what the CPU allocator sees (used to validate the model).
+        communication, interconnect, num_nodes: the gradient reduction (DDP: none, bf16, fp16,
+            powersgd or powersgd:R; FSDP: none = fp32 reduce_dtype, bf16 / fp16), the link between
+            the GPUs of a node ("nvlink4", or "nvlink4+ib-ndr" with the network between nodes;
+            None: the GPU's default) and the nodes: they price the step's communication
+            (:mod:`.communication`), not its memory.
     """
 
     # the network
@@ -153,6 +158,10 @@ class PlanOptions:
     repa_projector_dim: Optional[int] = None
     repa_feature_dim: int = 768
     repa_encoder_params: int = 0
+    # communication (step time only)
+    communication: str = "none"
+    interconnect: Optional[str] = None
+    num_nodes: int = 1
 
     @classmethod
     def of(cls, options: Union[PlanOptions, str, None] = None, **levers: Any) -> PlanOptions:

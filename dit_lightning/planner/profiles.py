@@ -173,6 +173,7 @@ def profile_recommendation(name: str) -> Recommendation:
         strategy=p.strategy,
         sharding=p.sharding,
         shard_group=p.hybrid_shard_size,
+        num_nodes=p.num_nodes,
     )
 
 
@@ -220,6 +221,17 @@ def _trades(rec: Recommendation) -> list[str]:
         f"Planner: {plan.total / GiB:.1f}{usable} GiB per GPU (peak during {plan.peak_phase}), "
         f"~{rec.step_time_s:.3f} s/step, {rec.images_per_s:.0f} images/s at the assumed utilisation."
     )
+    comm = rec.communication
+    if comm is not None:
+        where = f"{comm.link} (~{comm.link_gbs:g} GB/s)" + (
+            f" and {comm.network_bytes_sent / 1e9:.2f} GB across nodes" if comm.network_bytes_sent else ""
+        )
+        text = (
+            f"Communication: {comm.bytes_sent / 1e9:.2f} GB per GPU per step over {where}, {comm.seconds:.3f} s, "
+            f"{comm.exposed_s:.3f} s of it not hidden ({comm.exposed_s / rec.step_time_s:.0%} of the step)"
+        )
+        others = [f"{k} {t:.3f} s/step" for k, (t, _) in rec.communication_options.items() if k != comm.communication]
+        paragraphs.append(text + (f"; with communication {', '.join(others)}." if others else "."))
     runner = next((c for c in rec.alternatives[1:] if c.fits), None)
     if runner is not None:
         paragraphs.append(

@@ -7,14 +7,14 @@ monotonically with every recomputed block, so a bisection finds the minimum). Ca
 ranked by the estimated step time:
 
     micro   = max(micro x executed FLOPs per image / (utilisation x dense peak), kernels x launch)
-    step    = max(accumulation x micro, communication) + optimizer/EMA
+    step    = accumulation x micro + exposed communication + optimizer/EMA
 
 with the executed FLOPs of :func:`dit_lightning.models.flops.training_flops` (recompute
 included); an assumed utilisation (stated, overridable with a measured MFU) that is reached
 from 4096 tokens per micro-batch and falls as sqrt(tokens / 4096) below (small matmuls do
-not fill a GPU); a launch-bound floor of 5 us per kernel; gradient or parameter traffic over
-the GPU link assumed overlapped with compute; the memory-bound AdamW + EMA pass at 70% of the
-memory bandwidth.
+not fill a GPU); a launch-bound floor of 5 us per kernel; the communication the backward pass
+(DDP) or the whole micro-batch (FSDP) does not hide, over the GPUs' interconnect
+(:mod:`.communication`); the memory-bound AdamW + EMA pass at 70% of the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 from ..models.flops import training_flops
-from ..precision import TrainingPrecision, best_mixed_precision, itemsize, to_dtype
+from ..precision import TrainingPrecision, best_mixed_precision, to_dtype
+from .communication import CommunicationPlan, parse_communication, plan_communication
 from .hardware import GPUS, GPUSpec, gpu_spec, local_gpu
 from .memory import (
     GiB,
@@ -43,7 +44,7 @@ SATURATION_TOKENS = 4096  # tokens per micro-batch from which the assumed utilis
 LAUNCH_S = 5e-6  # per kernel: the floor of a micro-batch when kernels are tiny
 KERNELS_PER_BLOCK = 80  # forward + backward kernels of one DiT block (recompute adds ~25)
 OPTIMIZER_BYTES_PER_PARAM = 40  # AdamW reads p, g, m, v and writes p, m, v; EMA reads 2, writes 1 (fp32)
-FSDP_EFFICIENCY = 0.95  # FSDP's all-gathers and resharding are not entirely hidden
+FSDP_EFFICIENCY = 0.95  # FSDP's copies into and out of its flat collective buffers (its traffic is priced apart)
 TIE = 0.03  # step times within 3% are ties, decided for the simpler configuration
 
 
@@ -63,6 +64,7 @@ class Candidate:
     images_per_s: float
     total_bytes: int = 0  # the predicted memory per device, exactly (total_gib is rounded)
     activation_checkpointing: str = "none"  # the model's spelling of the recomputed blocks
+    communication_s: float = 0.0  # the step's exposed communication (included in step_time_s)
 
     @property
     def setting(self) -> tuple[str, int, str]:
@@ -126,6 +128,9 @@ class Recommendation:
     budget_gib: Optional[float] = None  # the memory per device the search fitted into
     nominal_device: bool = False  # no GPU type: step times are relative, not predictions
     command: str = ""  # a `dit-lightning fit --config ...` line (set by the plan command)
+    communication: Optional[CommunicationPlan] = None  # the chosen setting's traffic
+    # the chosen setting with each gradient reduction: communication -> (step s, exposed communication s)
+    communication_options: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -134,6 +139,19 @@ class Recommendation:
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+
+@dataclass
+class StepTime:
+    """One optimiser step's time, by part (seconds)."""
+
+    step_s: float
+    compute_s: float
+    micro_s: float
+    communication: CommunicationPlan
+    optimizer_s: float
+    utilisation: float
+    useful_mfu: float
 
 
 def _peak_tflops(spec: GPUSpec, precision: str) -> float:
@@ -146,6 +164,12 @@ def estimate_step_time(
 ) -> tuple[float, float, float]:
     """(step seconds, assumed utilisation, useful MFU) of one optimiser step of ``options`` (its
     unset settings as :func:`plan_memory` plans them) at ``global_batch`` on GPUs ``spec``."""
+    t = step_time(options, spec, global_batch, mfu)
+    return t.step_s, t.utilisation, t.useful_mfu
+
+
+def step_time(options: PlanOptions, spec: GPUSpec, global_batch: int, mfu: Optional[float] = None) -> StepTime:
+    """:func:`estimate_step_time` by part: compute, exposed communication, optimiser."""
     o = options.planned()
     assert o.micro_batch is not None and o.precision is not None  # planned() sets them
     shape, world_size, micro_batch, precision = o.shape, o.world_size, o.micro_batch, o.precision
@@ -161,22 +185,19 @@ def estimate_step_time(
     micro = max(micro_batch * executed / (util * eff * peak), kernels * LAUNCH_S)
     compute = n_micro * micro
     pc = o.param_counts()
-    comm = 0.0
-    if world_size > 1:
-        ring = 2 * (world_size - 1) / world_size
-        pbytes = itemsize(precision)
-        if o.strategy == "ddp":
-            traffic = ring * 4 * pc["trainable"]  # fp32 gradient all-reduce
-        elif o.sharding == "FULL_SHARD":
-            traffic = ring / 2 * pbytes * pc["total"] * 3  # all-gather fwd + bwd, reduce-scatter
-        else:
-            traffic = ring / 2 * pbytes * pc["total"] * 2
-        comm = traffic / (spec.link_gbs * 1e9)
+    # the backward's share of a micro-batch: all but the forward (a third of the useful FLOPs)
+    backward_share = 1 - useful / 3 / executed
+    comm = plan_communication(
+        o.replace(accumulate_grad_batches=n_micro),
+        spec.name if spec.name in GPUS else None,
+        micro_s=micro,
+        backward_share=backward_share,
+    )
     shard = world_size if o.strategy == "fsdp" else 1
     optim = OPTIMIZER_BYTES_PER_PARAM * pc["total"] / shard / (0.7 * spec.bandwidth_tbs * 1e12)
-    step = max(compute, comm) + optim
+    step = compute + comm.exposed_s + optim
     useful_mfu = global_batch * useful / (step * world_size * peak)
-    return step, util, useful_mfu
+    return StepTime(step, compute, micro, comm, optim, util, useful_mfu)
 
 
 def _divisors(n: int) -> list[int]:
@@ -265,6 +286,10 @@ def recommend(
         layouts = [("fsdp", o.sharding)] if o.sharding else [("fsdp", "SHARD_GRAD_OP"), ("fsdp", "FULL_SHARD")]
     else:
         layouts = [("ddp", None), ("fsdp", "SHARD_GRAD_OP"), ("fsdp", "FULL_SHARD")]
+    if parse_communication(o.communication)[0] == "powersgd":
+        if world > 1 and o.strategy == "fsdp":
+            raise ValueError("communication powersgd is DDP's (a comm hook): with FSDP choose none, bf16 or fp16")
+        layouts = [("ddp", None)]
     micro_batch = o.micro_batch
     if o.accumulate_grad_batches is not None:
         if per_gpu % o.accumulate_grad_batches:
@@ -325,7 +350,8 @@ def recommend(
                             lo = mid + 1
                     k, plan_k, fits = lo, memory(prec, strat, shard, mb, lo), True
                 run = candidate(prec, strat, shard, mb, list(pinned_blocks) if pinned_blocks is not None else k)
-                t, _, _ = estimate_step_time(run, spec, global_batch, mfu)
+                timing = step_time(run, spec, global_batch, mfu)
+                t = timing.step_s
                 cand = Candidate(
                     precision=prec,
                     strategy=strat if world > 1 else "single device",
@@ -343,6 +369,7 @@ def recommend(
                         if pinned_blocks is not None and not isinstance(o.activation_checkpointing, (list, tuple))
                         else checkpoint_spelling(k, depth)
                     ),
+                    communication_s=round(timing.communication.exposed_s, 4),
                 )
                 evaluated.append((cand, plan_k, run))
 
@@ -367,7 +394,16 @@ def recommend(
     best, best_plan, chosen = close[0]
     evaluated.remove(close[0])
     evaluated.insert(0, close[0])
-    t, util, useful_mfu = estimate_step_time(chosen, spec, global_batch, mfu)
+    chosen_time = step_time(chosen, spec, global_batch, mfu)
+    t, util, useful_mfu = chosen_time.step_s, chosen_time.utilisation, chosen_time.useful_mfu
+    # what each gradient reduction would make of the chosen setting (the search keeps the run's own:
+    # compression changes the training, so it is the user's call, priced here)
+    options_time: dict[str, tuple[float, float]] = {}
+    if world > 1:
+        kinds = ("none", "bf16", "powersgd") if best.strategy == "ddp" else ("none", "bf16")
+        for kind in kinds:
+            alt = step_time(chosen.replace(communication=kind), spec, global_batch, mfu)
+            options_time[kind] = (alt.step_s, alt.communication.exposed_s)
     hours = steps * t / 3600
     args = [
         f"--trainer.devices {world}",
@@ -377,13 +413,20 @@ def recommend(
         f"--model.activation_checkpointing {best.activation_checkpointing}",
     ]
     if world > 1:
+        kind = parse_communication(o.communication)[0]
         if best.strategy == "ddp":  # the project's DDP strategy: gradient_as_bucket_view=True
             args += ["--trainer.strategy dit_lightning.distributed.DiTDDPStrategy"]
+            if kind != "none":
+                args += [f"--trainer.strategy.communication {kind}"]
+                if kind == "powersgd" and ":" in o.communication:
+                    args += [f"--trainer.strategy.powersgd_rank {parse_communication(o.communication)[1]}"]
         else:  # FSDP1, one unit per DiTBlock and per DiT (model and EMA)
             args += [
                 "--trainer.strategy dit_lightning.distributed.DiTFSDPStrategy",
                 f"--trainer.strategy.sharding_strategy {best.sharding}",
             ]
+            if kind != "none":
+                args += [f"--trainer.strategy.reduce_dtype {'bfloat16' if kind == 'bf16' else 'float16'}"]
     assumptions = [
         f"utilisation {util:.2f} of the dense {best.precision} peak ({_peak_tflops(spec, best.precision):g} "
         f"TFLOP/s on {spec.name}) applied to executed FLOPs"
@@ -406,8 +449,12 @@ def recommend(
         assumptions.append("CPU: 32-true only (16-bit matmuls are slower than fp32 on most CPUs)")
     if world > 1 and bucket_view:
         assumptions.append("DDP with gradient_as_bucket_view=True (no bucket copy of the gradients)")
+    if world > 1:
+        c = chosen_time.communication
         assumptions.append(
-            f"communication over ~{spec.link_gbs:g} GB/s links, overlapped with compute (step = max of the two)"
+            f"communication: {c.bytes_sent / 1e9:.2f} GB sent per GPU per step over {c.link} (~{c.link_gbs:g} GB/s "
+            f"effective): {c.seconds:.3f} s, {c.exposed_s:.3f} s of it not hidden by the "
+            + ("backward pass (DDP overlaps its bucket all-reduces with it)" if c.strategy == "ddp" else "micro-batch")
         )
     return Recommendation(
         model=o.model,
@@ -439,4 +486,6 @@ def recommend(
         device=o.device,
         budget_gib=budget_gib,
         nominal_device=nominal,
+        communication=chosen_time.communication if world > 1 else None,
+        communication_options=options_time,
     )

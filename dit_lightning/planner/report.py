@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .communication import CommunicationPlan
 from .memory import GiB, MemoryPlan
 from .recommend import Recommendation
 
@@ -69,6 +70,7 @@ def render_recommendation(rec: Recommendation, console=None) -> None:
             f"({rec.gpu_hours:,.0f} GPU-hours{cost})"
         )
     console.print("  " + (rec.command or "dit-lightning fit " + " ".join(rec.lightning_args)), soft_wrap=True)
+    render_communication(rec, console)
     table = Table(title="candidates (fastest first)", title_justify="left")
     small = all(c.total_bytes < GiB for c in rec.alternatives) and bool(rec.alternatives)
     for col in (
@@ -99,3 +101,32 @@ def render_recommendation(rec: Recommendation, console=None) -> None:
     render_memory(rec.memory, console)
     for a in rec.assumptions:
         console.print(f"  - {a}")
+
+
+def communication_line(comm: CommunicationPlan, step_s: float) -> str:
+    """One line: the bytes a GPU sends per optimiser step, their time on the link, what is not hidden."""
+    kinds = ", ".join(f"{k.replace('_', '-')} {v / 1e9:.2f} GB" for k, v in comm.payload.items())
+    line = (
+        f"communication ({comm.strategy}, {comm.communication}): {comm.bytes_sent / 1e9:.2f} GB sent per GPU per "
+        f"step ({kinds}) over {comm.link} at ~{comm.link_gbs:g} GB/s: {comm.seconds:.3f} s, of which "
+        f"{comm.exposed_s:.3f} s not hidden = {comm.exposed_s / step_s:.0%} of the {step_s:.3f} s step"
+    )
+    return line + "".join(f"; {n}" for n in comm.notes)
+
+
+def render_communication(rec: Recommendation, console=None) -> None:
+    """The chosen setting's communication and what each gradient reduction would make of it."""
+    from rich.console import Console
+
+    if rec.communication is None:
+        return
+    console = console or Console()
+    console.print("  " + communication_line(rec.communication, rec.step_time_s), soft_wrap=True)
+    if rec.communication_options:
+        alts = ", ".join(
+            f"{k} {t:.3f} s ({exposed / t:.0%} communication)" for k, (t, exposed) in rec.communication_options.items()
+        )
+        console.print(
+            f"  the same setting with --communication: {alts} (compression is lossy: docs/distributed.md)",
+            soft_wrap=True,
+        )
