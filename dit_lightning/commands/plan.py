@@ -58,6 +58,9 @@ def plan(
     qk_norm: bool = False,
     communication: str = "none",
     interconnect: Optional[str] = None,
+    repa_projector_dim: Optional[int] = None,
+    repa_feature_dim: int = 768,
+    repa_encoder_params: int = 0,
 ) -> Union[MemoryPlan, Recommendation]:
     """Plan the GPU memory of DiT training, or (``--fit``) recommend the fastest setup that fits.
 
@@ -100,6 +103,10 @@ def plan(
             powersgd:R (DDP); priced in the step time.
         interconnect: the link between a node's GPUs (INTERCONNECT_NAMES), optionally +network between nodes
             (nvlink4+ib-ndr); default: the GPU's own.
+        repa_projector_dim: REPA's projector width (--model.repa.projector_dim, 2048); unset: no REPA.
+        repa_feature_dim: the REPA encoder's feature width (768 for DINOv2 ViT-B).
+        repa_encoder_params: the REPA encoder's parameters when it runs online (86580480 for DINOv2 ViT-B/14);
+            0: its features come from the store.
     """
     if format == "yaml" and not fit:
         raise ValueError("--format yaml writes a hardware profile of a recommendation: add --fit")
@@ -142,6 +149,9 @@ def plan(
         communication=communication,
         interconnect=interconnect,
         num_nodes=num_nodes,
+        repa_projector_dim=repa_projector_dim,
+        repa_feature_dim=repa_feature_dim,
+        repa_encoder_params=repa_encoder_params,
     )
     result: Union[MemoryPlan, Recommendation]
     if fit:

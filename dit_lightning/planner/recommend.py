@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 from ..models.flops import training_flops
-from ..precision import TrainingPrecision, best_mixed_precision, to_dtype
+from ..precision import TrainingPrecision, best_mixed_precision, is_mixed, to_dtype
 from .communication import CommunicationPlan, parse_communication, plan_communication
 from .hardware import GPUS, GPUSpec, gpu_spec, local_gpu
 from .memory import (
@@ -36,6 +36,7 @@ from .memory import (
     Strategy,
     checkpointed_block_indices,
     plan_memory,
+    repa_costs,
 )
 
 # Assumed hardware utilisation of executed FLOPs, relative to the dense peak of the precision.
@@ -175,6 +176,8 @@ def step_time(options: PlanOptions, spec: GPUSpec, global_batch: int, mfu: Optio
     shape, world_size, micro_batch, precision = o.shape, o.world_size, o.micro_batch, o.precision
     checkpointed_blocks = len(checkpointed_block_indices(o.activation_checkpointing, shape.depth))
     useful, executed = training_flops(shape, recomputed_blocks=checkpointed_blocks)
+    repa = repa_costs(o, micro_batch, is_mixed(precision))["flops"]  # REPA's projector and online encoder
+    useful, executed = useful + repa, executed + repa
     util = DEFAULT_MFU[precision] if mfu is None else mfu
     peak = _peak_tflops(spec, precision) * 1e12
     per_gpu = global_batch // world_size
