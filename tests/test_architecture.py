@@ -212,14 +212,15 @@ def test_the_checker_sees_a_wrong_import(tmp_path):
     ]
 
 
-def test_checkpoint_files_are_read_only_in_checkpoints_and_the_two_weights_files():
+def test_checkpoint_files_are_read_only_in_checkpoints_and_the_three_weights_files():
     """``torch.load`` is called by ``checkpoints/`` (every checkpoint, training ones through
-    ``read_training_state``) and, outside it, once for the InceptionV3 weights and once for the VAE's."""
+    ``read_training_state``) and, outside it, once each for the InceptionV3 weights, the VAE's and a
+    REPA encoder's (``models/`` may not import ``checkpoints/``; all three with ``weights_only=True``)."""
     calls = []
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
                 calls.append(name)
     outside = sorted(c for c in calls if not c.startswith("dit_lightning.checkpoints"))
-    assert outside == ["dit_lightning.evaluation.fid", "dit_lightning.vae"], outside
-    assert calls.count("dit_lightning.checkpoints.safe_load") == len(calls) - 2, calls  # its one `load_file`
+    assert outside == ["dit_lightning.evaluation.fid", "dit_lightning.models.encoders", "dit_lightning.vae"], outside
+    assert calls.count("dit_lightning.checkpoints.safe_load") == len(calls) - 3, calls  # its one `load_file`

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Any, Optional
 
 import torch
@@ -147,11 +148,21 @@ def _timm_encoder(name: str, options: REPAOptions) -> FrozenEncoder:
     if size is not None and name.startswith(("vit", "eva", "deit")):
         kwargs["img_size"] = size  # timm's ViTs resample their position embeddings (DINOv2's 518 px ones too)
     try:
-        net = timm.create_model(name, pretrained=True, pretrained_cfg_overlay={"file": options.weights}, **kwargs)
+        net = timm.create_model(name, pretrained=False, **kwargs)
     except RuntimeError as e:
         if "Unknown model" in str(e):
             raise ValueError(f"model.repa.encoder {name}: not a timm model name, directory or class path") from e
         raise
+    # the weights read here with weights_only=True (no code runs from the file), then timm's own
+    # conversion of the model family's checkpoints (DINOv2's original keys, resampled positions)
+    sd = _read_state_dict(options.weights)
+    convert = getattr(sys.modules.get(type(net).__module__), "checkpoint_filter_fn", None)
+    if convert is not None:
+        sd = convert(sd, net)
+    missing, unexpected = net.load_state_dict(sd, strict=False)
+    wrong = [k for k in [*missing, *unexpected] if not k.startswith(("head.", "fc_norm."))]  # the unused classifier
+    if wrong:
+        raise ValueError(f"model.repa.weights {options.weights} does not fit timm's {name}: {wrong[:5]}")
     cfg: dict[str, Any] = dict(getattr(net, "pretrained_cfg", {}))
     size = size or int(cfg["input_size"][-1])
     return FrozenEncoder(
