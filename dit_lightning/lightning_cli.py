@@ -55,6 +55,7 @@ from .checkpoints import NotATrainingCheckpointError, TrainingState, UnsafeCheck
 from .data import LatentDataModule
 from .module import DiTModule
 from .plugins import AtomicCheckpointIO
+from .ranks import close_process_group
 
 # Classes a checkpoint's hyper-parameters may name (``_class_path``): this package's, and the
 # prefixes a user trusts explicitly (comma-separated). Naming a class imports its module.
@@ -461,3 +462,4 @@ def run_lightning_cli(args: list[str]) -> None:
         parser_kwargs={"exit_on_error": False, "allow_abbrev": False},  # --trainer.max_step is not max_steps
         args=args,
     )
+    close_process_group()  # after success only: a failed run may have a peer stuck in a collective

@@ -49,3 +49,15 @@ def join_torchrun_group(world_size: int, explicit: bool, device: torch.device) -
 def rank_indices(num_samples: int, rank: int, world_size: int) -> range:
     """Strided shares: rank r gets r, r+W, r+2W... (disjoint, together exactly 0..N-1)."""
     return range(rank, num_samples, world_size)
+
+
+def close_process_group() -> None:
+    """Destroy the process group a finished run leaves behind (Lightning keeps it for another fit).
+
+    Left to interpreter exit, gloo's worker thread may still hold the run's last collective (a
+    broadcast just before exit): freeing its tensors needs the GIL, which a finalising interpreter
+    refuses by ending the thread, and the C++ runtime aborts ("terminate called without an active
+    exception", exit -6, after a run that succeeded). Destroying the group first waits for that work."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -33,7 +33,7 @@ from ..checkpoints import load_dit
 from ..checkpoints.architecture import LoadedDiT
 from ..diffusion import FlowMatching, PathType, Prediction
 from ..images import existing_samples, save_sample, to_uint8, write_grid, write_npz_from_pngs
-from ..ranks import join_torchrun_group, rank_indices, resolve_device, resolve_rank
+from ..ranks import close_process_group, join_torchrun_group, rank_indices, resolve_device, resolve_rank
 from ..sampling import (
     SAMPLING_OPTION_NAMES,
     LabelSpec,
@@ -336,4 +336,4 @@ def sample(
         return result
     finally:
         if own_group:
-            torch.distributed.destroy_process_group()
+            close_process_group()

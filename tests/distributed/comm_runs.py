@@ -10,9 +10,7 @@ comm hook, FSDP2's all-gathers and reduce-scatters.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,9 +27,7 @@ from dit_lightning.distributed import DiTDDPStrategy, DiTFSDP2Strategy, full_sta
 from dit_lightning.distributed.communication import CollectiveBytes, count_collectives  # noqa: E402
 from dit_lightning.module import DiTModule  # noqa: E402
 from dit_lightning.plugins import AtomicCheckpointIO  # noqa: E402
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*predefined device mesh.*")
+from tests.helpers.scripted_runs import run_main  # noqa: E402
 
 GLOBAL_BATCH = 16
 STEPS = 6
@@ -162,17 +158,7 @@ RUNS = {
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--runs", default=",".join(RUNS))
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
-    for name in args.runs.split(","):
-        RUNS[name](args)
-    if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
-        (args.out / "done").write_text(args.runs)
+    run_main(__doc__, RUNS, ",".join(RUNS), argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import csv
 import dataclasses
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,9 +36,7 @@ from dit_lightning.data import LatentDataModule  # noqa: E402
 from dit_lightning.distributed import DiTDDPStrategy, DiTFSDP2Strategy, full_state_dict, is_fsdp2  # noqa: E402
 from dit_lightning.module import DiTModule  # noqa: E402
 from dit_lightning.plugins import AtomicCheckpointIO  # noqa: E402
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*predefined device mesh.*")
+from tests.helpers.scripted_runs import run_main  # noqa: E402
 
 GLOBAL_BATCH = 16
 STEPS = 4
@@ -338,22 +335,11 @@ def reference(
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--num-nodes", type=int, default=1)
-    parser.add_argument("--runs", default=CPU_RUNS)
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
-    for name in args.runs.split(","):
-        RUNS[name](args)
-    if (
-        int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0
-        and int(os.environ.get("NODE_RANK", "0") or 0) == 0
-    ):
-        (args.out / "done").write_text(args.runs)
+    def layout(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--devices", type=int, default=2)
+        parser.add_argument("--num-nodes", type=int, default=1)
+
+    run_main(__doc__, RUNS, CPU_RUNS, argv, layout)
 
 
 if __name__ == "__main__":
