@@ -23,6 +23,7 @@ import hashlib
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import numpy as np
@@ -143,17 +144,8 @@ class _Repa:
 def _hash_weights(encoder: str, weights: Optional[str]) -> tuple[Optional[str], str]:
     """(file name, sha256) identifying the encoder's weights: of the weights file, or of every file
     of a ``save_pretrained`` directory (names and bytes)."""
-    h = hashlib.sha256()
     if os.path.isdir(encoder):
-        for dirpath, dirnames, files in os.walk(encoder):
-            dirnames.sort()
-            for name in sorted(files):
-                full = os.path.join(dirpath, name)
-                h.update(os.path.relpath(full, encoder).encode() + b"\0")
-                with open(full, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 22), b""):
-                        h.update(block)
-        return None, h.hexdigest()
+        return None, st.tree_sha256(encoder)
     if not weights:
         raise ValueError(
             f"--repa_encoder {encoder} needs --repa_weights, its local weights file: features of an encoder "
@@ -161,10 +153,7 @@ def _hash_weights(encoder: str, weights: Optional[str]) -> tuple[Optional[str], 
         )
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"--repa_weights {weights} is not a file")
-    with open(weights, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return os.path.basename(weights), h.hexdigest()
+    return os.path.basename(weights), st.file_sha256(weights)
 
 
 def _repa_options(encoder: Optional[str], weights: Optional[str], image_size: Optional[int]) -> Any:
@@ -282,38 +271,44 @@ def _shard_images(
         yield k, None
 
 
-def _features_pass(
-    output: str,
-    spec: st.StoreSpec,
-    repa: _Repa,
-    shards: list[int],
-    image_root: Optional[str],
-    batch_size: int,
-    num_workers: int,
-    dev: torch.device,
-    show: bool,
-    stats: dict[str, int],
-    label: str,
-) -> None:
+@dataclass
+class _FeaturesJob:
+    """What one rank's features pass works with (the store, its encoder, how to read and show)."""
+
+    output: str
+    spec: st.StoreSpec
+    repa: _Repa
+    image_root: Optional[str]
+    batch_size: int
+    num_workers: int
+    dev: torch.device
+    show: bool
+    stats: dict[str, int]
+    label: str
+
+
+def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
     """Compute and commit the features of the committed ``shards`` (shard by shard: a kill loses at
     most the shard in progress; the test hook of ``EXIT_AFTER_ENV`` counts features shards here)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    output, spec, repa, stats = job.output, job.spec, job.repa, job.stats
     records = {k: st.read_shard_record(output, k) for k in shards}
     counts = {k: int(r["count"]) if r else 0 for k, r in records.items()}
     sources = {k: list(r["sources"]) if r else [] for k, r in records.items()}
     exit_after, exit_mid = _exit_plan()
     pending: list[np.ndarray] = []
     with Progress(
-        TextColumn(f"[bold]features[/] rank {label}"),
+        TextColumn(f"[bold]features[/] rank {job.label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeRemainingColumn(),
-        disable=not show,
+        disable=not job.show,
         transient=False,
     ) as bar:
         task = bar.add_task("features", total=sum(counts.values()))
-        for k, images in _shard_images(output, spec, image_root, shards, counts, sources, batch_size, num_workers, dev):
+        read = (job.batch_size, job.num_workers, job.dev)
+        for k, images in _shard_images(output, spec, job.image_root, shards, counts, sources, *read):
             stop_point()  # (dit_lightning.signals)
             if images is not None:
                 pending.append(repa.features(images))
@@ -424,8 +419,11 @@ def extract_features(
     stats = {"features_written": 0, "features_images": 0}
     _, fmissing = st.features_status(output, repa.spec, spec)
     mine = [k for k in fmissing if k % world_size == rank]
-    _run_features(output, spec, repa, mine, image_root, batch_size, num_workers, dev, progress and local_rank == 0,
-                  stats, f"{rank}/{world_size}")  # fmt: skip
+    show = progress and local_rank == 0
+    job = _FeaturesJob(
+        output, spec, repa, image_root, batch_size, num_workers, dev, show, stats, f"{rank}/{world_size}"
+    )
+    _run_features(job, mine)
     finalized = _finalize_if_done(output, spec, repa.spec) if finalize else False
     seconds = time.perf_counter() - t0
     summary = {
@@ -453,32 +451,20 @@ def extract_features(
     return summary
 
 
-def _run_features(
-    output: str,
-    spec: st.StoreSpec,
-    repa: _Repa,
-    shards: list[int],
-    image_root: Optional[str],
-    batch_size: int,
-    num_workers: int,
-    dev: torch.device,
-    show: bool,
-    stats: dict[str, int],
-    label: str,
-) -> None:
+def _run_features(job: _FeaturesJob, shards: list[int]) -> None:
     """The features pass over ``shards`` with stop handling (a signal drops only the shard in progress)."""
     if not shards:
         return
 
     def stopped() -> str:
-        have = len(st.features_status(output, repa.spec, spec)[0])
+        have = len(st.features_status(job.output, job.repa.spec, job.spec)[0])
         return (
-            f"{have} of {spec.num_shards} shards of {output} have their REPA features (each whole); run the same "
-            "command again to resume from there"
+            f"{have} of {job.spec.num_shards} shards of {job.output} have their REPA features (each whole); run "
+            "the same command again to resume from there"
         )
 
     with safe_points(), on_stop(stopped):
-        _features_pass(output, spec, repa, shards, image_root, batch_size, num_workers, dev, show, stats, label)
+        _features_pass(job, shards)
 
 
 def extract_latents(
@@ -671,8 +657,10 @@ def extract_latents(
     if repa is not None:
         # Shards committed by an earlier run without features (this run writes them with theirs).
         _, fmissing = st.features_status(output, repa.spec, spec)
-        _run_features(output, spec, repa, [k for k in fmissing if k % world_size == rank], image_root, batch_size,
-                      num_workers, dev, show, stats, f"{rank}/{world_size}")  # fmt: skip
+        job = _FeaturesJob(
+            output, spec, repa, image_root, batch_size, num_workers, dev, show, stats, f"{rank}/{world_size}"
+        )
+        _run_features(job, [k for k in fmissing if k % world_size == rank])
 
     finalized = False
     meta_count = None

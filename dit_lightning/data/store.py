@@ -342,6 +342,17 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def tree_sha256(root: str) -> str:
+    """The sha256 of a directory: each file's path (relative, sorted) and the sha256 of its bytes."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames.sort()  # os.walk descends in this order
+        for name in sorted(files):
+            full = os.path.join(dirpath, name)
+            h.update(f"{os.path.relpath(full, root)}\0{file_sha256(full)}\n".encode())
+    return h.hexdigest()
+
+
 def write_shard(
     root: PathLike,
     k: int,
