@@ -221,6 +221,7 @@ DDP_SCRIPT = textwrap.dedent(
     import lightning as L
     import torch
     from dit_lightning.data.datamodule import LatentDataModule
+    from dit_lightning.ranks import close_process_group
 
     class Save(L.LightningModule):
         def __init__(self):
@@ -245,6 +246,7 @@ DDP_SCRIPT = textwrap.dedent(
                         accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(Save(), dm)
+    close_process_group()  # before exit: gloo must not free a collective in a finalising interpreter
     """
 )
 
