@@ -75,6 +75,20 @@ def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _image_loader(
+    image_root: str, paths: list[str], image_size: int, batches: list[list[int]], num_workers: int, dev: torch.device
+) -> torch.utils.data.DataLoader:
+    """Decoded, cropped images of ``paths`` in the given batches (of indices into ``paths``)."""
+    return torch.utils.data.DataLoader(
+        _ImageFiles(image_root, paths, image_size),
+        batch_sampler=batches,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        pin_memory=dev.type == "cuda",
+        prefetch_factor=4 if num_workers > 0 else None,
+    )
+
+
 def _fingerprint(paths: list[str], labels: list[int]) -> str:
     h = hashlib.sha256()
     for p, y in zip(paths, labels):
@@ -247,15 +261,7 @@ def _shard_images(
             list(range(s, min(start + counts[k], s + batch_size))) for s in range(start, start + counts[k], batch_size)
         )
         start += counts[k]
-    loader = torch.utils.data.DataLoader(
-        _ImageFiles(image_root, flat, spec.image_size),
-        batch_sampler=batches,
-        num_workers=num_workers,
-        collate_fn=_collate,
-        pin_memory=dev.type == "cuda",
-        prefetch_factor=4 if num_workers > 0 else None,
-    )
-    it = iter(loader)
+    it = iter(_image_loader(image_root, flat, spec.image_size, batches, num_workers, dev))
     for k in shards:
         for _ in range(-(-counts[k] // batch_size)):
             batch = next(it)
@@ -284,7 +290,12 @@ class _FeaturesJob:
     dev: torch.device
     show: bool
     stats: dict[str, int]
-    label: str
+    rank: int
+    world_size: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.rank}/{self.world_size}"
 
 
 def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
@@ -417,13 +428,9 @@ def extract_features(
     dev = resolve_device(device, local_rank)
     repa = _setup_repa(output, spec, options, dev)
     stats = {"features_written": 0, "features_images": 0}
-    _, fmissing = st.features_status(output, repa.spec, spec)
-    mine = [k for k in fmissing if k % world_size == rank]
     show = progress and local_rank == 0
-    job = _FeaturesJob(
-        output, spec, repa, image_root, batch_size, num_workers, dev, show, stats, f"{rank}/{world_size}"
-    )
-    _run_features(job, mine)
+    job = _FeaturesJob(output, spec, repa, image_root, batch_size, num_workers, dev, show, stats, rank, world_size)
+    mine = _run_features(job)
     finalized = _finalize_if_done(output, spec, repa.spec) if finalize else False
     seconds = time.perf_counter() - t0
     summary = {
@@ -451,10 +458,13 @@ def extract_features(
     return summary
 
 
-def _run_features(job: _FeaturesJob, shards: list[int]) -> None:
-    """The features pass over ``shards`` with stop handling (a signal drops only the shard in progress)."""
+def _run_features(job: _FeaturesJob) -> list[int]:
+    """The features pass over this rank's shards that lack them, with stop handling (a signal drops
+    only the shard in progress); the shards it did."""
+    _, missing = st.features_status(job.output, job.repa.spec, job.spec)
+    shards = [k for k in missing if k % job.world_size == job.rank]
     if not shards:
-        return
+        return shards
 
     def stopped() -> str:
         have = len(st.features_status(job.output, job.repa.spec, job.spec)[0])
@@ -465,6 +475,7 @@ def _run_features(job: _FeaturesJob, shards: list[int]) -> None:
 
     with safe_points(), on_stop(stopped):
         _features_pass(job, shards)
+    return shards
 
 
 def extract_latents(
@@ -656,11 +667,8 @@ def extract_latents(
             )  # fmt: skip
     if repa is not None:
         # Shards committed by an earlier run without features (this run writes them with theirs).
-        _, fmissing = st.features_status(output, repa.spec, spec)
-        job = _FeaturesJob(
-            output, spec, repa, image_root, batch_size, num_workers, dev, show, stats, f"{rank}/{world_size}"
-        )
-        _run_features(job, [k for k in fmissing if k % world_size == rank])
+        job = _FeaturesJob(output, spec, repa, image_root, batch_size, num_workers, dev, show, stats, rank, world_size)
+        _run_features(job)
 
     finalized = False
     meta_count = None
@@ -723,14 +731,7 @@ def _encode_shards(
     for k in shards:
         a, b = spec.shard_range(k)
         batches.extend(list(range(s, min(b, s + batch_size))) for s in range(a, b, batch_size))
-    loader = torch.utils.data.DataLoader(
-        _ImageFiles(image_root, paths, spec.image_size),
-        batch_sampler=batches,
-        num_workers=num_workers,
-        collate_fn=_collate,
-        pin_memory=dev.type == "cuda",
-        prefetch_factor=4 if num_workers > 0 else None,
-    )
+    loader = _image_loader(image_root, paths, spec.image_size, batches, num_workers, dev)
     noise = NoiseKernel(int(np.prod(spec.latent_shape))) if spec.variant == "sample" else None
     exit_after, exit_mid = _exit_plan()
     vae_dtype = next(vae_model.parameters()).dtype

@@ -12,7 +12,7 @@ import torch
 from dit_lightning.data import store as st
 from dit_lightning.data.extract import EXIT_AFTER_ENV, extract_latents
 from dit_lightning.data.preprocessing import adm_center_crop, preprocess
-from tests.helpers.data import make_image_folder, make_tiny_vae
+from tests.helpers.data import make_image_folder, make_tiny_vae, tree_bytes
 
 ARGS = dict(image_size=32, batch_size=2, shard_size=4, num_workers=0, progress=False)
 
@@ -31,15 +31,6 @@ def env(tmp_path_factory):
     summary = extract_latents(images, ref, vae=vae, **ARGS)
     yield {"root": root, "images": images, "vae": vae, "kinds": kinds, "ref": ref, "summary": summary}
     torch.set_num_threads(threads)
-
-
-def _tree_bytes(path: str) -> dict[str, bytes]:
-    out = {}
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            full = os.path.join(dirpath, f)
-            out[os.path.relpath(full, path)] = open(full, "rb").read()
-    return out
 
 
 def test_store_contents_and_report(env):
@@ -115,7 +106,7 @@ def test_killed_run_resumes_to_identical_store(env, exit_after):
         st.LatentStore(out)
     summary = extract_latents(env["images"], out, vae=env["vae"], **ARGS)
     assert summary["finalized"] and summary["shards_already_done"] == len(done)
-    assert _tree_bytes(out) == _tree_bytes(env["ref"])
+    assert tree_bytes(out) == tree_bytes(env["ref"])
 
 
 def test_signature_parses_with_jsonargparse(env):
@@ -138,7 +129,7 @@ def test_data_parallel_ranks_and_late_finalize(env):
     assert st.shard_status(out)[0] == [1, 3]
     s0 = extract_latents(env["images"], out, vae=env["vae"], rank=0, world_size=2, **ARGS)
     assert s0["finalized"] and s0["shards_written"] == 3
-    assert _tree_bytes(out) == _tree_bytes(env["ref"])
+    assert tree_bytes(out) == tree_bytes(env["ref"])
     again = extract_latents(env["images"], out, vae=env["vae"], **ARGS)  # nothing left to do
     assert again["shards_written"] == 0 and again["finalized"]
 

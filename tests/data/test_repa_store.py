@@ -22,7 +22,7 @@ from dit_lightning.data.preprocessing import preprocess
 from dit_lightning.data.rng import flip_bits
 from dit_lightning.models.encoders import load_encoder
 from dit_lightning.models.repa import DigitsEncoder, REPAOptions
-from tests.helpers.data import make_image_folder, make_tiny_vae
+from tests.helpers.data import make_image_folder, make_tiny_vae, tree_bytes
 
 DIGITS = "dit_lightning.models.repa.DigitsEncoder"
 RGB = "tests.data.test_repa_store.RGBEncoder"
@@ -34,15 +34,6 @@ class RGBEncoder(DigitsEncoder):
 
     def __init__(self) -> None:
         super().__init__(width=8, in_channels=3)
-
-
-def _tree_bytes(path: str) -> dict[str, bytes]:
-    out = {}
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            full = os.path.join(dirpath, f)
-            out[os.path.relpath(full, path)] = open(full, "rb").read()
-    return out
 
 
 def _encode(name: str, weights: str, images: torch.Tensor) -> np.ndarray:
@@ -118,12 +109,12 @@ def test_pixel_store_features_are_the_encoders_output(env):
     np.testing.assert_allclose(feats[:, 0].astype(np.float32), want, rtol=2e-3, atol=2e-4)
     assert np.abs(want).mean() > 0.02 and not np.allclose(feats[0], feats[1], atol=0.01)  # real, distinct features
     # the latents and the rest of the store are untouched; nothing foreign for overwrite to trip on
-    plain, feat = _tree_bytes(env["plain"]), _tree_bytes(env["feat"])
+    plain, feat = tree_bytes(env["plain"]), tree_bytes(env["feat"])
     assert all(plain[n] == feat[n] for n in plain if n.endswith((".npy", ".txt")))
     assert st.foreign_entries(env["feat"]) == [] and st.verify_store(env["feat"]) == []
     # a second run has nothing to do
     again = extract_latents(output=env["feat"], repa_encoder=DIGITS, repa_weights=env["weights"], **QUIET)
-    assert again["features_written"] == 0 and again["finalized"] and _tree_bytes(env["feat"]) == feat
+    assert again["features_written"] == 0 and again["finalized"] and tree_bytes(env["feat"]) == feat
 
 
 def test_flip_one_holds_the_features_of_the_mirrored_image(env):
@@ -192,7 +183,7 @@ def test_killed_features_pass_resumes_to_identical_bytes(env, exit_after):
     assert st.LatentStore(out).repa is None  # meantime the store reads as before: latents, no features
     summary = extract_latents(output=out, repa_encoder=DIGITS, repa_weights=env["weights"], **QUIET)
     assert summary["finalized"] and summary["features_written"] == (1 if exit_after == "1" else 2)
-    assert _tree_bytes(out) == _tree_bytes(env["feat"])
+    assert tree_bytes(out) == tree_bytes(env["feat"])
 
 
 def test_verify_names_a_corrupt_or_truncated_features_file(env):
@@ -216,11 +207,11 @@ def test_verify_names_a_corrupt_or_truncated_features_file(env):
         st.LatentStore(bad)
     os.remove(f)  # the fix the message gives: delete it and rerun; only that shard is computed again
     summary = extract_latents(output=bad, repa_encoder=DIGITS, repa_weights=env["weights"], **QUIET)
-    assert summary["features_written"] == 1 and _tree_bytes(bad) == _tree_bytes(env["feat"])
+    assert summary["features_written"] == 1 and tree_bytes(bad) == tree_bytes(env["feat"])
 
 
 def test_features_of_other_settings_are_refused(env):
-    before = _tree_bytes(env["feat"])
+    before = tree_bytes(env["feat"])
     with pytest.raises(st.StoreError, match="another encoder.*weights_sha256 differs.*never mixed"):
         extract_latents(output=env["feat"], repa_encoder=DIGITS, repa_weights=env["other"], **QUIET)
     with pytest.raises(st.StoreError, match="image_size: store has None, asked 16"):
@@ -231,7 +222,7 @@ def test_features_of_other_settings_are_refused(env):
         extract_latents(output=env["feat"], repa_encoder=DIGITS, **QUIET)
     with pytest.raises(ValueError, match="need --repa_encoder"):
         extract_latents(output=env["feat"], repa_weights=env["weights"], **QUIET)
-    assert _tree_bytes(env["feat"]) == before  # nothing was changed
+    assert tree_bytes(env["feat"]) == before  # nothing was changed
 
 
 def test_vae_store_features_inline_and_added_later(env):
@@ -262,7 +253,7 @@ def test_vae_store_features_inline_and_added_later(env):
     with pytest.raises(st.StoreError, match="being extracted with REPA features.*resume with the same --repa_encoder"):
         extract_latents(images, resumed, **args)
     again = extract_latents(images, resumed, repa_encoder=RGB, repa_weights=weights, **args)
-    assert again["shards_written"] == 1 and _tree_bytes(resumed) == _tree_bytes(inline["output"])
+    assert again["shards_written"] == 1 and tree_bytes(resumed) == tree_bytes(inline["output"])
     later = str(root / "vae_later")
     extract_latents(images, later, **args)  # latents only, long ago
     assert st.LatentStore(later).repa is None

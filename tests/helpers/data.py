@@ -150,3 +150,14 @@ def make_random_store(
         st.write_shard(path, k, spec, data, labels, [f"random[{i}]" for i in range(a, b)])
     st.finalize_store(path)
     return st.LatentStore(path)
+
+
+def tree_bytes(path: str) -> dict[str, bytes]:
+    """Every file below ``path`` by its relative path: two stores are equal byte for byte when these are."""
+    out = {}
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            full = os.path.join(dirpath, f)
+            with open(full, "rb") as fh:
+                out[os.path.relpath(full, path)] = fh.read()
+    return out

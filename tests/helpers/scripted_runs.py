@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Optional
 
@@ -34,7 +34,7 @@ def first_rank() -> bool:
 
 def run_main(
     doc: Optional[str],
-    runs: dict[str, Run],
+    runs: Mapping[str, Run],
     default_runs: str,
     argv: Optional[list[str]] = None,
     add_arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None,
