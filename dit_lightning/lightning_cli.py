@@ -18,7 +18,7 @@ every standard Lightning knob working, and one directory per run.
   ``outputs/demo/last.ckpt`` links the last checkpoint of the newest run that has saved one (only a
   write moves it) and ``--ckpt_path last`` reads it, saying which run and step it found. Resuming a
   run's checkpoint continues in that run's directory; ``validate`` / ``test`` / ``predict`` of it
-  log there too, at the checkpoint's step.
+  log there too, at the checkpoint's step (a CSV log is appended to, not replaced: ``RunCSVLogger``).
 - Errors a class raises while it is built (a model setting that does not work, a bad ``init_from``)
   are reported as themselves, without jsonargparse's wrapping of the ``model`` union; options are
   never abbreviated; a GPU accelerator on a machine without one is refused before anything is built.
@@ -54,8 +54,11 @@ from .callbacks.samples import PredictionWriter, SampleGrid
 from .checkpoints import NotATrainingCheckpointError, TrainingState, UnsafeCheckpointError, read_training_state
 from .data import LatentDataModule
 from .module import DiTModule
-from .plugins import AtomicCheckpointIO
+from .plugins import AtomicCheckpointIO, RunCSVLogger
 from .ranks import close_process_group
+
+# Lightning's CSV logger deletes a directory's metrics.csv: a continued run logs with RunCSVLogger
+_CSV_LOGGERS = ("lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.loggers.csv_logs.CSVLogger")
 
 # Classes a checkpoint's hyper-parameters may name (``_class_path``): this package's, and the
 # prefixes a user trusts explicitly (comma-separated). Naming a class imports its module.
@@ -305,6 +308,8 @@ class DiTCLI(LightningCLI):
         if logger["init_args"].get("version") is None:
             logger["init_args"]["version"] = version
             self._resumed_run = version
+            if logger.get("class_path") in _CSV_LOGGERS:  # which would delete the run's metrics.csv
+                logger["class_path"] = f"{RunCSVLogger.__module__}.{RunCSVLogger.__name__}"
 
     # ---- settings checked before anything is built ---------------------------------------------
     def _check_settings(self, sub: Any) -> None:

@@ -1,9 +1,14 @@
-"""Lightning plugins of the project: checkpoint I/O that never leaves a truncated file behind."""
+"""Lightning plugins of the project: checkpoint I/O that never leaves a truncated file behind, and a
+CSV logger that never deletes a run's earlier metrics."""
 
 from __future__ import annotations
 
+import csv
 from typing import Any, Optional
 
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from .atomic import save_torch
@@ -18,3 +23,28 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         save_torch(checkpoint, path)
+
+
+class _AppendingExperimentWriter(ExperimentWriter):
+    def _check_log_dir_exists(self) -> None:
+        # Lightning deletes the directory's metrics.csv here; keep it, and know its columns so that
+        # new rows append under them (a new column rewrites the file, every earlier row kept).
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+                self.metrics_keys = list(csv.DictReader(f).fieldnames or [])
+
+
+class RunCSVLogger(CSVLogger):
+    """Lightning's ``CSVLogger``, but in a directory that already has a ``metrics.csv`` (a resumed
+    fit, or ``test`` / ``validate`` / ``predict`` of a run's checkpoint, which log in the run's
+    directory) its rows are appended to the run's, where Lightning's deletes the file first.
+
+    The CLI uses it in place of ``lightning.pytorch.loggers.CSVLogger`` when it continues a run."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if not isinstance(self._experiment, ExperimentWriter):
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingExperimentWriter(log_dir=self.log_dir)
+        return self._experiment

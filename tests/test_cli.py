@@ -114,6 +114,12 @@ def test_a_resumed_run_continues_in_its_directory_and_records_its_config_at_the_
     args[args.index("--trainer.max_steps") + 1] = "3"
     run_cli([*args, "--ckpt_path", "last"], tmp_path)
     assert (run / "config-resumed-from-step-2.yaml").is_file() and not (tmp_path / "runs" / "version_1").exists()
+    # the run's CSV log keeps the first fit's rows (Lightning's CSVLogger deletes the file it finds)
+    assert set(losses(tmp_path / "runs" / "version_0")) == {0, 1, 2}
+    run_cli(["test", *args[1:], "--ckpt_path", "last"], tmp_path)
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert {int(r["step"]) for r in rows if r.get("train/loss")} == {0, 1, 2}
+    assert [int(r["step"]) for r in rows if r.get("test/loss")] == [3]  # the last checkpoint's step
 
 
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml") if p.name != "demo.yaml")
