@@ -179,6 +179,33 @@ def demo_run(work: Path, communication: str, steps: int, warmup: int) -> dict[st
     return {"communication": communication, "losses": losses, "metrics": metrics}
 
 
+def _against_none(demo: list[dict[str, Any]], steps: list[int]) -> str:
+    """Each compressed run's change against ``none`` (same seed): the late training loss, the digits
+    accuracy and the two Frechet distances (lower is better for all but the accuracy)."""
+    base = next((d for d in demo if d["communication"] == "none"), None)
+    if base is None or len(demo) < 2:
+        return ""
+    late = steps[int(0.8 * len(steps)) :]
+
+    def figures(d: dict[str, Any]) -> dict[str, float]:
+        flat = _flat(d["metrics"])
+        return {
+            "mean train loss, last 20%": sum(d["losses"][s] for s in late) / len(late),
+            "digits accuracy": flat.get("digits.accuracy", float("nan")),
+            "fd pixels": flat.get("digits.frechet.fd_pixels", float("nan")),
+            "fd svc": flat.get("digits.frechet.fd_svc", float("nan")),
+        }
+
+    ref = figures(base)
+    out = "\nChange against `none` (same seed and data order):\n\n| communication | " + " | ".join(ref) + " |\n"
+    out += "|---" * (1 + len(ref)) + "|\n"
+    for d in demo:
+        if d is not base:
+            got = figures(d)
+            out += f"| {d['communication']} | " + " | ".join(f"{got[k] / ref[k] - 1:+.1%}" for k in ref) + " |\n"
+    return out
+
+
 def _flat(metrics: dict[str, Any]) -> dict[str, float]:
     flat: dict[str, float] = {}
     for k, v in metrics.items():
@@ -245,6 +272,7 @@ def write(rows: list[dict[str, Any]], demo: list[dict[str, Any]], args: argparse
             cells = [f"{d['losses'][s]:.4f}" for s in marks] + [f"{sum(tail) / len(tail):.4f}"]
             cells += [f"{flat.get(k, float('nan')):.4g}" for k in keys]
             md.write(f"| {d['communication']} | " + " | ".join(cells) + " |\n")
+        md.write(_against_none(demo, steps))
         with open(output / "communication_demo_cpu.csv", "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["communication", "step", "train_loss"])
