@@ -202,7 +202,8 @@ def _against_none(demo: list[dict[str, Any]], steps: list[int]) -> str:
     for d in demo:
         if d is not base:
             got = figures(d)
-            out += f"| {d['communication']} | " + " | ".join(f"{got[k] / ref[k] - 1:+.1%}" for k in ref) + " |\n"
+            cells = [f"{got[k] / ref[k] - 1:+.1%}" if ref[k] else "n/a" for k in ref]  # accuracy 0 when short
+            out += f"| {d['communication']} | " + " | ".join(cells) + " |\n"
     return out
 
 

@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from .autofit import AutoFitConfig
 from .callbacks.checkpoint import LATEST, DiTModelCheckpoint, newest_run_checkpoint, run_directory_of
 from .callbacks.config_logger import ConfigLogger
-from .callbacks.fault_tolerance import FaultTolerance
+from .callbacks.fault_tolerance import FaultTolerance, NonFiniteLossError
 from .callbacks.generation import GenerationMetrics
 from .callbacks.progress import DiTProgressBar
 from .callbacks.samples import PredictionWriter, SampleGrid
@@ -56,6 +56,7 @@ from .data import LatentDataModule
 from .module import DiTModule
 from .plugins import AtomicCheckpointIO, RunCSVLogger
 from .ranks import close_process_group
+from .signals import SignalExit
 
 # Lightning's CSV logger deletes a directory's metrics.csv: a continued run logs with RunCSVLogger
 _CSV_LOGGERS = ("lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.loggers.csv_logs.CSVLogger")
@@ -308,8 +309,9 @@ class DiTCLI(LightningCLI):
         if logger["init_args"].get("version") is None:
             logger["init_args"]["version"] = version
             self._resumed_run = version
-            if logger.get("class_path") in _CSV_LOGGERS:  # which would delete the run's metrics.csv
-                logger["class_path"] = f"{RunCSVLogger.__module__}.{RunCSVLogger.__name__}"
+        if logger["init_args"].get("version") == version and logger.get("class_path") in _CSV_LOGGERS:
+            # Lightning's would delete the run's metrics.csv (whoever named the run's version)
+            logger["class_path"] = f"{RunCSVLogger.__module__}.{RunCSVLogger.__name__}"
 
     # ---- settings checked before anything is built ---------------------------------------------
     def _check_settings(self, sub: Any) -> None:
@@ -458,13 +460,22 @@ class DiTCLI(LightningCLI):
 def run_lightning_cli(args: list[str]) -> None:
     """``dit-lightning fit|validate|test|predict ...``."""
     _quiet_third_party()
-    DiTCLI(
-        DiTModule,
-        LatentDataModule,
-        subclass_mode_model=True,  # DiTModule or a subclass (dit_lightning.distill.DistillationModule)
-        save_config_callback=ConfigLogger,
-        auto_configure_optimizers=False,  # optimiser and schedule are the model's arguments
-        parser_kwargs={"exit_on_error": False, "allow_abbrev": False},  # --trainer.max_step is not max_steps
-        args=args,
-    )
-    close_process_group()  # after success only: a failed run may have a peer stuck in a collective
+    try:
+        DiTCLI(
+            DiTModule,
+            LatentDataModule,
+            subclass_mode_model=True,  # DiTModule or a subclass (dit_lightning.distill.DistillationModule)
+            save_config_callback=ConfigLogger,
+            auto_configure_optimizers=False,  # optimiser and schedule are the model's arguments
+            parser_kwargs={"exit_on_error": False, "allow_abbrev": False},  # --trainer.max_step is not max_steps
+            args=args,
+        )
+    except (SignalExit, NonFiniteLossError) as stop:
+        # Every rank agreed on this stop in one all-reduce and left from the same step: none waits in a
+        # collective, so the group closes as after a success (or its exit status could become -6).
+        if not getattr(stop, "at_once", False):
+            close_process_group()
+        raise
+    # Not after other errors: a peer may be stuck in a collective, and destroying a group waits for
+    # this rank's queued work (Lightning leaves the group alone on errors too).
+    close_process_group()

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from .atomic import save_torch
+from .atomic import atomic_open, save_torch
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -32,6 +32,25 @@ class _AppendingExperimentWriter(ExperimentWriter):
         if self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as f:
                 self.metrics_keys = list(csv.DictReader(f).fieldnames or [])
+
+    def _record_new_keys(self) -> set[str]:
+        # The file's columns keep their order (Lightning re-sorts them all, which would put appended
+        # values under another column of a file it did not write); new ones go at the end.
+        new = set().union(*self.metrics) - set(self.metrics_keys)
+        self.metrics_keys.extend(sorted(new))
+        return new
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        protocol = self._fs.protocol  # fsspec's: "file" for the local file system
+        if "file" not in (protocol if isinstance(protocol, (tuple, list)) else (protocol,)):
+            return super()._rewrite_with_new_header(fieldnames)
+        # the whole history is rewritten: atomically, so a kill or a full disk leaves the old file
+        with open(self.metrics_file_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        with atomic_open(self.metrics_file_path, "w") as f:
+            writer = csv.DictWriter(f, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
 
 
 class RunCSVLogger(CSVLogger):
