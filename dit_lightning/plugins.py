@@ -7,6 +7,7 @@ import csv
 from typing import Any, Optional
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -41,8 +42,7 @@ class _AppendingExperimentWriter(ExperimentWriter):
         return new
 
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
-        protocol = self._fs.protocol  # fsspec's: "file" for the local file system
-        if "file" not in (protocol if isinstance(protocol, (tuple, list)) else (protocol,)):
+        if not _is_local_file_protocol(self.metrics_file_path):  # Lightning's own test, remote logs as it writes them
             return super()._rewrite_with_new_header(fieldnames)
         # the whole history is rewritten: atomically, so a kill or a full disk leaves the old file
         with open(self.metrics_file_path, newline="") as f:

@@ -10,7 +10,6 @@ with gloo still holding a collective (see ``dit_lightning.ranks.close_process_gr
 from __future__ import annotations
 
 import argparse
-import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,18 +17,12 @@ from typing import Optional
 
 import torch
 
-from dit_lightning.ranks import close_process_group
+from dit_lightning.ranks import close_process_group, resolve_rank
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*predefined device mesh.*")
 
 Run = Callable[[argparse.Namespace], None]
-
-
-def first_rank() -> bool:
-    """Rank 0 of node 0, however the process was started (Lightning's launcher or torchrun)."""
-    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
-    return rank == 0 and int(os.environ.get("NODE_RANK", "0") or 0) == 0
 
 
 def run_main(
@@ -51,6 +44,7 @@ def run_main(
     torch.set_num_threads(1)  # a tiny model: more threads only spin on a shared 2-core machine
     for name in args.runs.split(","):
         runs[name](args)
+    first = resolve_rank()[0] == 0  # the global rank, asked of the group before it closes
     close_process_group()
-    if first_rank():
+    if first:
         (args.out / "done").write_text(args.runs)
