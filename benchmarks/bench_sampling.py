@@ -448,8 +448,7 @@ def quality_per_step(args: argparse.Namespace) -> None:
                     sampler=cast(Sampler, sampler),
                     num_steps=nfe,
                     cfg_scale=cfg_scale,
-                    noise_schedule=loaded.noise_schedule,
-                    diffusion_steps=loaded.diffusion_steps,
+                    objective=loaded.objective,
                     clip_denoised=True,
                 )
             )
@@ -636,7 +635,7 @@ def diffusers_comparison(args: argparse.Namespace) -> None:
     from sklearn.datasets import load_digits
 
     from dit_lightning.checkpoints import PixelDecoder, export_checkpoint, use_reference_timestep_embedding
-    from dit_lightning.diffusion import create_diffusion
+    from dit_lightning.diffusion import DDPMObjective
     from dit_lightning.evaluation.digits import train_digit_classifier
     from dit_lightning.sampling import build_scheduler
 
@@ -655,7 +654,10 @@ def diffusers_comparison(args: argparse.Namespace) -> None:
     x0 = torch.from_numpy(digits.data[:500] / 16.0 * 2 - 1).float().reshape(-1, 1, 8, 8)
     y = torch.from_numpy(digits.target[:500]).long()
     eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
-    acp = torch.from_numpy(create_diffusion(noise_schedule=loaded.noise_schedule).alphas_cumprod).float()
+    ddpm = loaded.objective or DDPMObjective()
+    if not isinstance(ddpm, DDPMObjective):
+        raise SystemExit(f"{args.checkpoint}: the diffusers comparison needs a DDPM model, not {ddpm.describe()}")
+    acp = torch.from_numpy(ddpm.diffusion.alphas_cumprod).float()
     dev_rows = []
     with torch.no_grad():
         for t in DEVIATION_TIMESTEPS:
@@ -711,7 +713,7 @@ def diffusers_comparison(args: argparse.Namespace) -> None:
                   time.perf_counter() - t0)  # fmt: skip
         for name, fixed in (("DiTPipeline, as diffusers builds it", False), ("DiTPipeline, reference timesteps", True)):
             pipe = DiTPipeline.from_pretrained(export, vae=PixelDecoder())
-            pipe.scheduler = build_scheduler(sampler, loaded.noise_schedule, loaded.diffusion_steps, thresholding=clip)
+            pipe.scheduler = build_scheduler(sampler, ddpm.noise_schedule, ddpm.diffusion_steps, thresholding=clip)
             if fixed:
                 use_reference_timestep_embedding(pipe)
             pipe.set_progress_bar_config(disable=True)

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .checkpoints import load_dit, recorded_flow, recorded_objective
+from .checkpoints import load_dit
+from .diffusion import objective_from_record
 from .models import DiT
 from .module import _VAL_STEP_KEY, DiTModule
 
@@ -117,17 +118,9 @@ class DistillationModule(DiTModule):
             )
             if a != b
         ]
-        for key in ("noise_schedule", "diffusion_steps"):
-            if args.get(key) is not None and args[key] != self.hparams[key]:
-                problems.append(f"{key}: student {self.hparams[key]}, teacher {args[key]}")
-        objective, teacher_flow = recorded_objective(args), recorded_flow(args)  # None: the file does not say
-        mine = "ddpm" if self.flow is None else "flow"
-        if objective is not None and objective != mine:
-            problems.append(f"objective: student {mine}, teacher {objective}")
-        elif self.flow is not None and teacher_flow is not None:
-            for key in ("path_type", "prediction"):
-                if getattr(teacher_flow, key) != getattr(self.flow, key):
-                    problems.append(f"{key}: student {getattr(self.flow, key)}, teacher {getattr(teacher_flow, key)}")
+        teacher = objective_from_record(args)  # None: the file does not say
+        if teacher is not None:
+            problems += [f"{k}: student {a}, teacher {b}" for k, a, b in self.objective.differences(teacher)]
         if self.hparams.class_dropout_prob > 0 and net.y_embedder.embedding_table.num_embeddings <= net.num_classes:
             problems.append("label dropout: the student drops labels but the teacher has no null-class embedding")
         if self.feature_pairs and s.patch_size != net.patch_size:

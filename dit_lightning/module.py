@@ -32,16 +32,26 @@ from .checkpoints import (
     strip_prefix,
 )
 from .data.store import file_sha256
-from .diffusion import FlowMatching, PathType, Prediction, TimeDistribution, create_diffusion, min_snr_weight
+from .diffusion import (
+    LossWeighting,
+    ObjectiveName,
+    ObjectiveSettings,
+    PathType,
+    Prediction,
+    TimeDistribution,
+    TrainingObjective,
+    build_objective,
+    objective_from_record,
+)
 from .diffusion.gaussian_diffusion import ModelFn
 from .distributed.ops import clip_gradients, ema_update_, grad_norm
 from .distributed.sharding import configure_sharding
-from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
+from .keyed_random import keyed_normal, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
 from .models.repa import Projector, REPAOptions, alignment_loss
 from .precision import compute_dtype, grad_scaler, is_fp16, pending_grad_scale, set_tf32
-from .sampling import Sampler, SamplingOptions, is_flow_sampler, sample_latents, sampling_options
+from .sampling import DIFFUSERS_SAMPLERS, Sampler, SamplingOptions, sample_latents, sampling_options
 from .schedules import WarmupDecayLR
 from .vae import DEFAULT_SCALE_FACTOR, decode_latents, is_pixel_space, load_vae
 
@@ -53,10 +63,6 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
-Objective = Literal["ddpm", "flow"]
-LossWeighting = Literal["none", "min_snr", "velocity", "likelihood"]
-# The sampler of a flow model whose ``sampler`` is left at the DDPM default: SiT's published FIDs.
-_FLOW_DEFAULT_SAMPLER: Sampler = "sde-euler"
 
 # Fixed keys so that validation sees the same timesteps and noise in every run and epoch.
 _VAL_STEP_KEY = -1
@@ -135,9 +141,10 @@ class DiTModule(L.LightningModule):
             (the noise level 1 - t is sigmoid(N(time_mean, time_std^2)), SD3's convention).
         time_mean: mean of the logit-normal's normal (positive: noisier times).
         time_std: standard deviation of the logit-normal's normal.
-        train_eps: distance of a flow model's training times from 0 and 1; unset: SiT's (0 for
-            velocity on the linear / GVP paths, else 1e-5).
-        sample_eps: the same for sampling; unset: SiT's (0, else 1e-3).
+        train_eps: distance of a flow model's training times from 0 and 1; unset: SiT's
+            create_transport's (0 for velocity on the linear / GVP paths, 1e-3 for noise or score
+            prediction there, 1e-5 on the VP path).
+        sample_eps: the same for sampling; unset: SiT's (0 for velocity on linear / GVP, else 1e-3).
         loss_weighting: "none" (the reference's loss); "min_snr" (DDPM: the epsilon MSE times
             min(SNR, min_snr_gamma) / SNR, Hang et al. 2023; the variance's vb term unchanged);
             "velocity" or "likelihood" (flow with noise or score prediction: SiT's weights).
@@ -184,7 +191,7 @@ class DiTModule(L.LightningModule):
         guide_channels: Optional[int] = None,
         vae: Optional[str] = None,
         scale_factor: Optional[float] = None,
-        objective: Objective = "ddpm",
+        objective: ObjectiveName = "ddpm",
         path_type: PathType = "linear",
         prediction: Prediction = "velocity",
         time_distribution: TimeDistribution = "uniform",
@@ -199,22 +206,22 @@ class DiTModule(L.LightningModule):
         super().__init__()
         # A plain list, not a tuple, so that hparams.yaml reads back with yaml.safe_load.
         latent_shape = list(latent_shape) if latent_shape is not None else [4, 32, 32]
-        self.flow: Optional[FlowMatching] = _objective(
-            objective, path_type, prediction, time_distribution, time_mean, time_std, train_eps, sample_eps,
-            loss_weighting, min_snr_gamma,
+        self.objective: TrainingObjective = build_objective(
+            ObjectiveSettings(
+                objective=objective, noise_schedule=noise_schedule, diffusion_steps=diffusion_steps,
+                learn_sigma=learn_sigma, path_type=path_type, prediction=prediction,
+                time_distribution=time_distribution, time_mean=time_mean, time_std=time_std, train_eps=train_eps,
+                sample_eps=sample_eps, loss_weighting=loss_weighting, min_snr_gamma=min_snr_gamma,
+            )
         )  # fmt: skip
-        if self.flow is not None:  # before save_hyperparameters, so that the record says what runs
-            if learn_sigma:
-                rank_zero_info("objective flow: the network predicts no variance (model.learn_sigma set to false)")
-                learn_sigma = False
-            if not is_flow_sampler(sampler):
-                if sampler != "ddpm":
-                    raise ValueError(
-                        f"model.sampler {sampler} samples DDPM models, and objective flow trains a flow model: "
-                        "choose ode-euler, ode-heun, ode-dopri5, sde-euler or sde-heun"
-                    )
-                rank_zero_info(f"objective flow: default sampler {_FLOW_DEFAULT_SAMPLER} (model.sampler)")
-                sampler = _FLOW_DEFAULT_SAMPLER
+        # before save_hyperparameters, so that the record says what runs
+        if learn_sigma != self.objective.learns_variance:
+            rank_zero_info(f"{self.objective.describe()}: model.learn_sigma {self.objective.learns_variance}")
+            learn_sigma = self.objective.learns_variance
+        chosen = self.objective.sampler_for(sampler, tuple(DIFFUSERS_SAMPLERS))
+        if chosen != sampler:
+            rank_zero_info(f"{self.objective.describe()}: default sampler {chosen} (model.sampler)")
+            sampler = chosen  # type: ignore[assignment]  # one of the objective's samplers
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         # Under LightningCLI save_hyperparameters records the parsed config, not these locals: the record
         # must say what runs (a flow model's sampler and variance), so set what the objective changed.
@@ -225,6 +232,7 @@ class DiTModule(L.LightningModule):
         records: tuple[Any, ...] = (self.hparams, self._hparams_initial)
         for record in records:  # the checkpoint's and the logger's (hparams.yaml)
             record.update(
+                **self.objective.record(),
                 learn_sigma=learn_sigma,
                 sampler=sampler,
                 repa=dataclasses.asdict(repa_options) if repa_options is not None else None,
@@ -247,9 +255,6 @@ class DiTModule(L.LightningModule):
             class_dropout_prob=class_dropout_prob,
             qk_norm=qk_norm,
             activation_checkpointing=activation_checkpointing,
-        )
-        self.diffusion = create_diffusion(
-            "", noise_schedule=noise_schedule, learn_sigma=learn_sigma, diffusion_steps=diffusion_steps
         )
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
@@ -363,9 +368,9 @@ class DiTModule(L.LightningModule):
             return self.repa_encoder()(self.decode(batch["x"]))
 
     def _init_weights(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``init_from``'s weights for this network: a flow model also takes SiT's layout (2C outputs,
-        the last C unused: its ``learn_sigma`` networks, the released SiT-XL-2-256x256.pt)."""
-        return sit_output_layout(sd, self.model) if self.flow is not None else sd
+        """``init_from``'s weights for this network: an objective that drops unused outputs (flow) also
+        takes SiT's layout (2C outputs, the last C unused: the released SiT-XL-2-256x256.pt)."""
+        return sit_output_layout(sd, self.model) if self.objective.drops_unused_outputs else sd
 
     if TYPE_CHECKING:
 
@@ -384,6 +389,13 @@ class DiTModule(L.LightningModule):
         # is, before Lightning's generic load_state_dict error.
         hp = checkpoint.get("hyper_parameters") or {}
         self._check_data_shape(hp.get("latent_shape"), hp.get("num_classes"), "the checkpoint (--ckpt_path)")
+        theirs = objective_from_record(hp) if hp else None
+        if theirs is not None and self.objective.differences(theirs):
+            wrong = ", ".join(f"model.{k} {b} (this run: {a})" for k, a, b in self.objective.differences(theirs))
+            raise ValueError(
+                f"the checkpoint (--ckpt_path) was trained with {theirs.describe()}: {wrong}. Configure the run as the "
+                "checkpoint's (its run's config.yaml), or start a new run with --model.init_from for its weights"
+            )
         if "state_dict" not in checkpoint:  # sharded checkpoint: loaded (strictly) by the strategy
             return
         sd = checkpoint["state_dict"]
@@ -540,26 +552,17 @@ class DiTModule(L.LightningModule):
         return sdpa_kernel(kinds[backend])
 
     def diffusion_loss(self, net: ModelFn, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
-        """Per-batch mean of the objective's loss (the hybrid diffusion loss, optionally Min-SNR
-        weighted, or flow matching) with times, noise and label dropout keyed on (seed, step, sample
-        index): independent of process layout, resumable bit-for-bit."""
+        """Per-batch mean of the objective's terms (:attr:`objective`) with times, noise and label
+        dropout keyed on (seed, step, sample index): independent of process layout, resumable bit-for-bit."""
         x, y, index = batch["x"], batch["y"], batch["index"]
         keys = sample_keys(index.to(x.device), self.hparams.seed, step_key)
         noise = keyed_normal(keys, x.shape[1:], stream=_STREAM_NOISE).to(x.dtype)
         kwargs: dict[str, Tensor] = {"y": y}
         if train and self.hparams.class_dropout_prob > 0:
             kwargs["force_drop_ids"] = keyed_uniform(keys, (), stream=_STREAM_DROP) < self.hparams.class_dropout_prob
-        if self.flow is not None:  # the same uniform draw as the DDPM timestep's, mapped to a time in [0, 1]
-            t = self.flow.training_time(keyed_uniform(keys, (), stream=_STREAM_T))
-            with self._attention_context():
-                terms = self.flow.training_losses(net, x, noise, t, model_kwargs=kwargs)
-            return {k: v.mean() for k, v in terms.items()}
-        t = keyed_randint(keys, self.diffusion.num_timesteps, stream=_STREAM_T)
+        u = keyed_uniform(keys, (), stream=_STREAM_T)  # the objective maps it to its time
         with self._attention_context():
-            terms = self.diffusion.training_losses(net, x, t, model_kwargs=kwargs, noise=noise)
-        if self.hparams.get("loss_weighting", "none") == "min_snr":  # the epsilon MSE weighted; vb as it is
-            weight = min_snr_weight(self.diffusion, t, self.hparams.min_snr_gamma, like=terms["mse"])
-            terms = {**terms, "loss": weight * terms["mse"] + terms["vb"]}
+            terms = self.objective.training_terms(net, x, noise, u, kwargs)
         return {k: v.mean() for k, v in terms.items()}
 
     # ---- the training step: one home for plain runs, auto-fit's back-off and distillation ----------
@@ -758,16 +761,7 @@ class DiTModule(L.LightningModule):
         net = self.ema if (use_ema and self.ema is not None) else self.model
         opts = sampling_options(options, **overrides).over(SamplingOptions.from_hparams(hp, net.in_channels))
         with self._attention_context():
-            return sample_latents(
-                net,
-                labels,
-                indices,
-                options=opts,
-                noise_schedule=hp.noise_schedule,
-                diffusion_steps=hp.diffusion_steps,
-                noise=noise,
-                flow=self.flow,
-            )
+            return sample_latents(net, labels, indices, options=opts, objective=self.objective, noise=noise)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """Images in [0, 1] for ``batch = {"index", "y"}`` (see ``LatentDataModule.predict_dataloader``);
@@ -794,57 +788,6 @@ class DiTModule(L.LightningModule):
                 self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
             )
         return decode_latents(latents, vae, scale_factor)
-
-
-def _objective(
-    objective: str,
-    path_type: str,
-    prediction: str,
-    time_distribution: str,
-    time_mean: float,
-    time_std: float,
-    train_eps: Optional[float],
-    sample_eps: Optional[float],
-    loss_weighting: str,
-    min_snr_gamma: float,
-) -> Optional[FlowMatching]:
-    """The flow-matching objective the arguments describe (None: DDPM); refuses settings of the other
-    objective, which would do nothing."""
-    if objective not in ("ddpm", "flow"):
-        raise ValueError(f"model.objective must be ddpm or flow, got {objective!r}")
-    if min_snr_gamma <= 0:
-        raise ValueError(f"model.min_snr_gamma must be positive, got {min_snr_gamma}")
-    if objective == "ddpm":
-        flow_only = {
-            "path_type": (path_type, "linear"), "prediction": (prediction, "velocity"),
-            "time_distribution": (time_distribution, "uniform"), "time_mean": (time_mean, 0.0),
-            "time_std": (time_std, 1.0), "train_eps": (train_eps, None), "sample_eps": (sample_eps, None),
-        }  # fmt: skip
-        changed = [f"model.{k} {v}" for k, (v, default) in flow_only.items() if v != default]
-        if loss_weighting in ("velocity", "likelihood"):
-            changed.append(f"model.loss_weighting {loss_weighting}")
-        if changed:
-            raise ValueError(f"{', '.join(changed)}: settings of flow matching; set model.objective flow to use them")
-        if loss_weighting not in ("none", "min_snr"):
-            raise ValueError(f"model.loss_weighting must be none or min_snr for ddpm, got {loss_weighting!r}")
-        return None
-    if loss_weighting == "min_snr":
-        raise ValueError(
-            "model.loss_weighting min_snr weights the DDPM objective's epsilon MSE; flow matching takes none, or "
-            "velocity / likelihood with noise or score prediction"
-        )
-    if time_distribution == "uniform" and (time_mean, time_std) != (0.0, 1.0):
-        raise ValueError("model.time_mean / model.time_std shape time_distribution logit_normal, not uniform")
-    return FlowMatching(
-        path_type=path_type,  # type: ignore[arg-type]  # checked by FlowMatching
-        prediction=prediction,  # type: ignore[arg-type]
-        loss_weight=loss_weighting,  # type: ignore[arg-type]
-        train_eps=train_eps,
-        sample_eps=sample_eps,
-        time_distribution=time_distribution,  # type: ignore[arg-type]
-        time_mean=float(time_mean),
-        time_std=float(time_std),
-    )
 
 
 def _repa_options(repa: Union[None, REPAOptions, dict[str, Any]]) -> Optional[REPAOptions]:

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser
 from torch.utils.data import DataLoader
 
-from dit_lightning.diffusion import FlowMatching, min_snr_weights
+from dit_lightning.diffusion import DDPMObjective, FlowMatching, min_snr_weights
 from dit_lightning.keyed_random import keyed_normal, keyed_uniform, sample_keys
 from dit_lightning.module import DiTModule
 from tests.helpers.models import randomize
@@ -27,12 +27,13 @@ def batch(n=8):
 
 def test_flow_module_settings_and_its_record():
     module = DiTModule(**TINY, objective="flow", path_type="gvp", prediction="noise", time_distribution="logit_normal")
-    assert module.flow == FlowMatching(path_type="gvp", prediction="noise", time_distribution="logit_normal")
+    assert module.objective == FlowMatching(path_type="gvp", prediction="noise", time_distribution="logit_normal")
     hp = module.hparams
     assert (hp.learn_sigma, hp.sampler, hp.objective) == (False, "sde-euler", "flow")  # forced, and recorded so
     assert module.model.out_channels == 1
     assert DiTModule(**TINY, objective="flow", sampler="ode-heun").hparams.sampler == "ode-heun"
-    assert DiTModule(**TINY).flow is None and DiTModule(**TINY).hparams.learn_sigma  # DDPM stays the default
+    default = DiTModule(**TINY)
+    assert default.objective == DDPMObjective() and default.hparams.learn_sigma  # DDPM stays the default
 
 
 @pytest.mark.parametrize(
@@ -41,8 +42,9 @@ def test_flow_module_settings_and_its_record():
         (dict(path_type="gvp"), "settings of flow matching"),
         (dict(time_distribution="logit_normal"), "settings of flow matching"),
         (dict(loss_weighting="likelihood"), "settings of flow matching"),
-        (dict(objective="flow", loss_weighting="min_snr"), "weights the DDPM objective"),
-        (dict(objective="flow", sampler="ddim"), "samples DDPM models"),
+        (dict(objective="flow", loss_weighting="min_snr"), "weight the DDPM objective"),
+        (dict(objective="flow", sampler="ddim"), "does not sample a model trained with objective flow"),
+        (dict(min_snr_gamma=3.0), "min_snr, which is off"),
         (dict(objective="flow", time_mean=1.0), "logit_normal, not uniform"),
         (dict(objective="flow", loss_weighting="velocity"), "noise or score prediction"),
         (dict(objective="flow", train_eps=0.01), "whole interval"),
@@ -61,9 +63,9 @@ def test_flow_loss_is_the_keyed_flow_matching_loss_and_layout_independent():
     with torch.no_grad():
         loss = module.diffusion_loss(module.model, b, step_key=7, train=True)["loss"]
         keys = sample_keys(b["index"], module.hparams.seed, 7)
-        t = module.flow.training_time(keyed_uniform(keys, (), stream=1))  # the DDPM timestep's draw
+        t = module.objective.training_time(keyed_uniform(keys, (), stream=1))  # the DDPM timestep's draw
         noise = keyed_normal(keys, b["x"].shape[1:], stream=2)  # the DDPM noise
-        expected = module.flow.training_losses(module.model, b["x"], noise, t, {"y": b["y"]})["loss"].mean()
+        expected = module.objective.training_losses(module.model, b["x"], noise, t, {"y": b["y"]})["loss"].mean()
         halves = [{k: v[i : i + 4] for k, v in b.items()} for i in (0, 4)]
         split = sum(module.diffusion_loss(module.model, h, step_key=7, train=True)["loss"] for h in halves) / 2
     torch.testing.assert_close(loss, expected)
@@ -88,9 +90,9 @@ def test_flow_fit_validate_sample_and_resume_bit_exact(tmp_path):
     torch.testing.assert_close(
         resumed.sample([1, 2], seed=3, sampler="ode-euler"), resumed.sample([1, 2], seed=3, sampler="ode-euler")
     )
-    with pytest.raises(ValueError, match="trained with flow matching"):
+    with pytest.raises(ValueError, match="does not sample a model trained with objective flow"):
         resumed.sample([1], sampler="ddim")
-    with pytest.raises(ValueError, match="flow-matching models"):
+    with pytest.raises(ValueError, match="does not sample a model trained with objective ddpm"):
         DiTModule(**TINY).sample([1], sampler="ode-euler", num_steps=2)
 
 
@@ -119,8 +121,8 @@ def test_min_snr_weights_the_mse_term_and_keeps_vb(learn_sigma):
         t = (keyed_uniform(keys, (), stream=1) * 1000).long().clamp(max=999)
         noise = keyed_normal(keys, b["x"].shape[1:], stream=2)
         kwargs = {"y": b["y"], "force_drop_ids": keyed_uniform(keys, (), stream=3) < 0.1}
-        terms = plain.diffusion.training_losses(plain.model, b["x"], t, model_kwargs=kwargs, noise=noise)
-        acp = torch.from_numpy(plain.diffusion.alphas_cumprod)[t]
+        terms = plain.objective.diffusion.training_losses(plain.model, b["x"], t, model_kwargs=kwargs, noise=noise)
+        acp = torch.from_numpy(plain.objective.diffusion.alphas_cumprod)[t]
         snr = acp / (1 - acp)
         w = (torch.minimum(snr, torch.tensor(5.0, dtype=torch.float64)) / snr).float()
         ours = weighted.diffusion_loss(weighted.model, b, step_key=3, train=True)

@@ -52,7 +52,7 @@ def test_the_loss_is_repa_loss_py_for_the_same_draws(encoder_file):
         zs = [encoder((b["x"] + 1) / 2)]  # the pixel store's images in [0, 1]
         ours = module.training_losses(b, step=5)
         keys = sample_keys(b["index"], module.hparams.seed, 5)
-        t = module.flow.training_time(keyed_uniform(keys, (), stream=1))  # SiT's time: 0 noise, 1 data
+        t = module.objective.training_time(keyed_uniform(keys, (), stream=1))  # SiT's time: 0 noise, 1 data
         noise = keyed_normal(keys, b["x"].shape[1:], stream=2)
 
         projector = ref.build_mlp(32, 16, 64)

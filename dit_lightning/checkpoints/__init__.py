@@ -15,8 +15,6 @@ from .architecture import (
     infer_dit_config,
     load_dit,
     load_dit_weights,
-    recorded_flow,
-    recorded_objective,
     recorded_vae,
     sit_output_layout,
 )
@@ -86,8 +84,6 @@ __all__ = [
     "optimizer_by_index",
     "read_checkpoint",
     "read_training_state",
-    "recorded_flow",
-    "recorded_objective",
     "recorded_vae",
     "save_dit",
     "sit_output_layout",

@@ -10,9 +10,10 @@ named configuration with the same depth, width and patch, else ``hidden_size / 6
 (the head size of every published DiT), and :func:`dit_config_of` says so.
 
 SiT's checkpoints (github.com/willisma/SiT) are DiTs by their parameter names and shapes; what tells
-them apart is the objective, flow matching, which :func:`recorded_flow` reads from what a file
-records (this project's ``objective: flow``, or SiT's training arguments ``path_type`` /
-``prediction``). A released raw state dict records nothing: the caller says it is a flow model. Its
+them apart is the objective, flow matching, which ``LoadedDiT.objective`` reads from what a file
+records (:func:`dit_lightning.diffusion.objective_from_record`: this project's ``objective: flow``, or
+SiT's training arguments ``path_type`` / ``prediction``). A released raw state dict records nothing:
+the caller says it is a flow model. Its
 networks are built with ``learn_sigma`` and use only the first C of their 2C output channels;
 :func:`sit_output_layout` gives such weights to a network with C outputs (exactly).
 """
@@ -25,7 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..diffusion.flow import FlowMatching
+from ..diffusion import TrainingObjective, objective_from_record
 from ..models.config import build_from_config, mlp_ratio_for
 from ..models.dit import DIT_CONFIGS, DiT, dit_config
 from .formats import DiTCheckpoint, StateDict, Weights, clean_state_dict, read_checkpoint
@@ -206,47 +207,6 @@ def sit_output_layout(sd: StateDict, model: nn.Module) -> StateDict:
     return {**sd, "final_layer.linear.weight": w[keep], "final_layer.linear.bias": b[keep]}
 
 
-_SIT_PATHS = {"linear": "linear", "gvp": "gvp", "vp": "vp"}
-
-
-def recorded_objective(args: dict[str, Any]) -> Optional[str]:
-    """``"flow"`` or ``"ddpm"`` when a checkpoint's settings say which objective trained it, else None:
-    this project's ``objective`` (a run without it trained DDPM), SiT's training arguments
-    (``path_type`` and ``prediction``: flow), the DiT reference script's (``model: DiT-...``: DDPM)."""
-    objective = args.get("objective")
-    if objective in ("ddpm", "flow"):
-        return str(objective)
-    if isinstance(args.get("path_type"), str) and isinstance(args.get("prediction"), str):
-        return "flow"
-    if "noise_schedule" in args or "diffusion_steps" in args:  # a DiTModule run before flow matching
-        return "ddpm"
-    model = args.get("model")
-    if isinstance(model, str) and model.startswith("DiT-"):
-        return "ddpm"
-    return None
-
-
-def recorded_flow(args: dict[str, Any]) -> Optional[FlowMatching]:
-    """The flow-matching objective a checkpoint records (None: none recorded, or DDPM): from a
-    DiTModule run's hyper-parameters or SiT's training arguments (``path_type`` Linear / GVP / VP,
-    ``prediction``, ``loss_weight``, the epsilons where SiT uses them)."""
-    if recorded_objective(args) != "flow":
-        return None
-    path = str(args.get("path_type") or "linear").lower()
-    prediction = str(args.get("prediction") or "velocity").lower()
-    if path not in _SIT_PATHS:
-        raise ValueError(f"the checkpoint records flow path_type {args.get('path_type')!r}: not linear, gvp or vp")
-    weight = args.get("loss_weighting", args.get("loss_weight")) or "none"
-    stable = prediction == "velocity" and path in ("linear", "gvp")  # SiT ignores the epsilons then
-    return FlowMatching(
-        path_type=_SIT_PATHS[path],  # type: ignore[arg-type]
-        prediction=prediction,  # type: ignore[arg-type]
-        loss_weight=str(weight).lower(),  # type: ignore[arg-type]
-        train_eps=None if stable or args.get("train_eps") is None else float(args["train_eps"]),
-        sample_eps=None if stable or args.get("sample_eps") is None else float(args["sample_eps"]),
-    )
-
-
 def recorded_vae(args: dict[str, Any]) -> Optional[str]:
     """The VAE a checkpoint's settings name, the reference script's ``--vae ema|mse`` spelled out."""
     vae = args.get("vae")
@@ -274,28 +234,16 @@ class LoadedDiT:
         return self.checkpoint.args
 
     @property
-    def noise_schedule(self) -> str:
-        return str(self.args.get("noise_schedule") or "linear")
-
-    @property
-    def diffusion_steps(self) -> int:
-        return int(self.args.get("diffusion_steps") or 1000)
-
-    @property
     def vae(self) -> Optional[str]:
         """The VAE the run decoded with; the reference script's ``--vae ema|mse`` spelled out."""
         return recorded_vae(self.args)
 
     @property
-    def objective(self) -> Optional[str]:
-        """``"flow"`` / ``"ddpm"`` where the checkpoint records it (:func:`recorded_objective`); None for a
-        file that records nothing (a released raw state dict: DiT's are DDPM, SiT's flow)."""
-        return recorded_objective(self.args)
-
-    @property
-    def flow(self) -> Optional[FlowMatching]:
-        """The flow-matching objective to sample with (``sample_latents(..., flow=...)``), or None."""
-        return recorded_flow(self.args)
+    def objective(self) -> Optional[TrainingObjective]:
+        """The objective the checkpoint records (``sample_latents(..., objective=...)``); None for a file
+        that records nothing (a released raw state dict: DiT's are DDPM, SiT's flow)."""
+        objective = objective_from_record(self.args)
+        return objective.for_network(self.net.learn_sigma) if objective is not None else None
 
     @property
     def scale_factor(self) -> Optional[float]:

@@ -31,9 +31,10 @@ from typing import Any, Optional, Union
 import torch
 
 from ..atomic import atomic_write, replace_directory, write_json, write_text
+from ..diffusion import DDPMObjective, objective_from_record
 from ..sampling.schedulers import DiffusersSampler, build_scheduler, can_threshold
 from ..vae import DEFAULT_SCALE_FACTOR, DEFAULT_VAE, is_pixel_space
-from .architecture import dit_config_of, export_args, recorded_objective, recorded_vae
+from .architecture import dit_config_of, export_args, recorded_vae
 from .diffusers_format import (
     INFO_FILE,
     METADATA_KEY,
@@ -228,12 +229,13 @@ def export_diffusers(
     """
     import diffusers
 
-    if recorded_objective(ckpt.args) == "flow":
+    objective = objective_from_record(ckpt.args)
+    if objective is not None and not objective.takes_epsilon_schedulers:
         raise NotExpressibleError(
-            f"'{ckpt.path}' is a flow-matching model (objective flow): DiTPipeline samples epsilon-prediction "
-            "diffusion models with diffusers' DDPM-family schedulers, and would read its velocity as epsilon at "
+            f"'{ckpt.path}' is a model trained with {objective.describe()}: DiTPipeline samples epsilon-prediction "
+            "diffusion models with diffusers' DDPM-family schedulers, and would read its output as epsilon at "
             "DDPM timesteps. Export it with --format reference, safetensors or raw, and sample it with "
-            "dit-lightning's flow samplers"
+            f"dit-lightning's samplers ({', '.join(objective.samplers)})"
         )
     out = Path(output)
     sd = ckpt.weights(weights)
@@ -258,8 +260,8 @@ def export_diffusers(
     scale = ckpt.args.get("scale_factor")
     if scale is None and spec is not None and not pixels:
         scale = spec.scale_factor
-    noise_schedule = str(ckpt.args.get("noise_schedule") or "linear")
-    diffusion_steps = int(ckpt.args.get("diffusion_steps") or 1000)
+    ddpm = objective if isinstance(objective, DDPMObjective) else DDPMObjective()  # a raw file: DiT's
+    noise_schedule, diffusion_steps = ddpm.noise_schedule, ddpm.diffusion_steps
     thresholding = pixels and can_threshold(scheduler)
     if pixels and not thresholding:
         notes.append(

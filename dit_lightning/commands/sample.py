@@ -30,11 +30,11 @@ from torch import nn
 
 from ..atomic import check_writable, make_directory, remove_stale_temporaries, write_json
 from ..checkpoints import load_dit
-from ..checkpoints.architecture import LoadedDiT
-from ..diffusion import FlowMatching, PathType, Prediction
+from ..diffusion import DDPMObjective, ObjectiveName, PathType, Prediction, declared_objective
 from ..images import existing_samples, save_sample, to_uint8, write_grid, write_npz_from_pngs
 from ..ranks import close_process_group, join_torchrun_group, rank_indices, resolve_device, resolve_rank
 from ..sampling import (
+    DIFFUSERS_SAMPLERS,
     SAMPLING_OPTION_NAMES,
     LabelSpec,
     ResolvedSamplingOptions,
@@ -49,14 +49,19 @@ Weights = Literal["ema", "raw"]
 # A sample PNG is written in milliseconds: an older temporary file was left by a killed run.
 _STALE_TMP_S = 60.0
 
-# Settings that determine the pixels of sample i; a resumed run must match them exactly.
+# Settings that determine the pixels of sample i; a resumed run must match them exactly. The
+# objective's are what a network's output means (``TrainingObjective.shared_settings``).
 _IMAGE_KEYS = (
-    "weights_fingerprint", "weights", "labels", "vae", "scale_factor", "num_heads", "noise_schedule",
-    "diffusion_steps", *SAMPLING_OPTION_NAMES,
+    "weights_fingerprint", "weights", "labels", "vae", "scale_factor", "num_heads", "objective", "noise_schedule",
+    "diffusion_steps", "path_type", "prediction", *SAMPLING_OPTION_NAMES,
 )  # fmt: skip
-# What a sampling option absent from an older sample_config.json meant: the behaviour before the
-# option existed, which is its default (runs before `clip_denoised` never clipped).
-_IMAGE_KEY_DEFAULTS: dict[str, Any] = ResolvedSamplingOptions().record()
+# What a setting absent from a sample_config.json meant: the behaviour before it was recorded, which is
+# its default (runs before `clip_denoised` never clipped; every run before flow matching was DDPM on the
+# linear schedule of 1000 steps, which a flow record does not name).
+_IMAGE_KEY_DEFAULTS: dict[str, Any] = {
+    **ResolvedSamplingOptions().record(),
+    **DDPMObjective().shared_settings(),
+}
 
 
 def weights_fingerprint(net: nn.Module) -> str:
@@ -74,10 +79,13 @@ def weights_fingerprint(net: nn.Module) -> str:
 
 
 def _check_or_write_config(path: Path, config: dict[str, Any]) -> None:
-    if path.exists():
+    """Write the run's settings, or check that those of the samples already there are the same (a
+    record with no sample beside it, from a run that failed before its first image, is replaced)."""
+    if path.exists() and existing_samples(path.parent / "samples"):
         old = json.loads(path.read_text())
         before = {k: old.get(k, _IMAGE_KEY_DEFAULTS.get(k)) for k in _IMAGE_KEYS}
-        diff = {k: (before[k], config.get(k)) for k in _IMAGE_KEYS if before[k] != config.get(k)}
+        now = {k: config.get(k, _IMAGE_KEY_DEFAULTS.get(k)) for k in _IMAGE_KEYS}
+        diff = {k: (before[k], now[k]) for k in _IMAGE_KEYS if before[k] != now[k]}
         if diff:
             desc = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
             raise ValueError(
@@ -124,22 +132,6 @@ def _check_arguments(**values: Any) -> None:
             raise ValueError(f"--{name} {value}: must be at least {least[name]}{hint}")
 
 
-def declared_flow(
-    loaded: LoadedDiT, objective: Optional[str], path_type: str = "linear", prediction: str = "velocity"
-) -> Optional[FlowMatching]:
-    """The flow objective to sample ``loaded`` with: the one it records, else the declared one (a raw
-    file records nothing); a declaration that contradicts the record is refused."""
-    recorded = loaded.objective
-    if objective is not None and recorded is not None and objective != recorded:
-        raise ValueError(
-            f"--objective {objective}: checkpoint '{loaded.checkpoint.path}' records objective {recorded}; drop "
-            "--objective (it is for files that record nothing, like a released raw state dict)"
-        )
-    if recorded is not None or objective != "flow":
-        return loaded.flow
-    return FlowMatching(path_type=path_type, prediction=prediction)  # type: ignore[arg-type]  # checked there
-
-
 def sample(
     checkpoint: str,
     output: str,
@@ -157,9 +149,9 @@ def sample(
     grid_nrow: Optional[int] = None,
     write_npz: bool = True,
     progress: bool = True,
-    objective: Optional[Literal["ddpm", "flow"]] = None,
-    path_type: PathType = "linear",
-    prediction: Prediction = "velocity",
+    objective: Optional[ObjectiveName] = None,
+    path_type: Optional[PathType] = None,
+    prediction: Optional[Prediction] = None,
     **sampling: Any,
 ) -> dict[str, Any]:
     """Sample images from a DiT checkpoint into ``output`` (PNGs, grid, ADM ``.npz``).
@@ -196,9 +188,9 @@ def sample(
         objective: what trained a checkpoint that does not record it (a released raw state dict:
             ``flow`` for SiT's ``SiT-XL-2-256x256.pt``; DDPM when unset). A checkpoint that records its
             objective is sampled as it says, and a contradicting value is refused.
-        path_type: the declared flow's interpolant (SiT's ``linear``); its default sampler is SiT's
-            ``sde-euler``.
-        prediction: the declared flow's network output (SiT's ``velocity``).
+        path_type: the declared flow's interpolant (unset: SiT's ``linear``); its default sampler is SiT's
+            ``sde-euler``. A value that contradicts the checkpoint's record is refused.
+        prediction: the declared flow's network output (unset: SiT's ``velocity``).
     """
     t_start = time.perf_counter()
     options = SamplingOptions(**sampling)  # jsonargparse reads the flat flags off this call
@@ -228,12 +220,14 @@ def sample(
         if scale_factor is None:
             scale_factor = 1.0 if pixels else (loaded.scale_factor or DEFAULT_SCALE_FACTOR)
         scale = float(scale_factor)
-        flow = declared_flow(loaded, objective, path_type, prediction)
+        trained = declared_objective(
+            loaded.objective, objective, path_type, prediction, source=f"checkpoint '{loaded.checkpoint.path}'"
+        ).for_network(net.learn_sigma)
         defaults = dict(loaded.sampling_defaults)
-        if flow is not None and "sampler" not in defaults:
-            defaults["sampler"] = "sde-euler"  # SiT's FID sampler, as for a flow DiTModule
+        defaults["sampler"] = trained.sampler_for(defaults.get("sampler"), tuple(DIFFUSERS_SAMPLERS))
         model_defaults = SamplingOptions.from_hparams({**defaults, "vae": vae_name}, net.in_channels)
         opts = options.over(model_defaults).resolved()
+        trained.check_sampler(opts.sampler, tuple(DIFFUSERS_SAMPLERS))  # before anything is written
         plan = parse_labels(labels, net.num_classes, opts.seed)
         if num_samples is None:
             if plan.classes is None:
@@ -262,9 +256,7 @@ def sample(
             "vae": vae_name,
             "scale_factor": scale,
             "num_heads": loaded.config["num_heads"],
-            "noise_schedule": loaded.noise_schedule,
-            "diffusion_steps": loaded.diffusion_steps,
-            "objective": "flow" if flow is not None else "ddpm",
+            **trained.shared_settings(),
         }
         _check_or_write_config(out / "sample_config.json", config)
 
@@ -289,10 +281,7 @@ def sample(
                 stop_point()
                 idx = torch.tensor(list(chunk), dtype=torch.long)
                 y = plan(idx)
-                latents = sample_latents(
-                    net, y, idx, options=opts, noise_schedule=loaded.noise_schedule,
-                    diffusion_steps=loaded.diffusion_steps, flow=flow,  # a flow model samples as one
-                )  # fmt: skip
+                latents = sample_latents(net, y, idx, options=opts, objective=trained)
                 images = to_uint8(decode_latents(latents, vae_model if vae_model is not None else vae_name, scale))
                 for k, (i, c) in enumerate(zip(idx.tolist(), y.tolist())):
                     save_sample(images[k], samples_dir, i, c)

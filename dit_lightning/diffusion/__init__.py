@@ -1,12 +1,23 @@
-"""Gaussian diffusion for DiT: schedules, hybrid loss, respacing, DDPM and DDIM samplers, Min-SNR
-weighting; and flow matching (SiT's stochastic interpolants, :mod:`.flow`).
+"""The training objectives, each one object (:class:`TrainingObjective`: its losses, its samplers,
+its record; :mod:`.objective`, built and read back by :mod:`.registry`): DiT's Gaussian diffusion
+(schedules, hybrid loss, respacing, DDPM and DDIM samplers, Min-SNR weighting) and flow matching
+(SiT's stochastic interpolants and their ODE / SDE samplers, :mod:`.flow`).
 
 Pure PyTorch + numpy (no Lightning), so notebooks and other trainers can use it directly.
 """
 
 from __future__ import annotations
 
-from .flow import DiffusionForm, FlowLossWeight, FlowMatching, PathType, Prediction, TimeDistribution
+from .flow import (
+    DiffusionForm,
+    FlowLossWeight,
+    FlowMatching,
+    FlowSampler,
+    LastStep,
+    PathType,
+    Prediction,
+    TimeDistribution,
+)
 from .gaussian_diffusion import (
     GaussianDiffusion,
     LossType,
@@ -15,10 +26,35 @@ from .gaussian_diffusion import (
     get_named_beta_schedule,
 )
 from .losses import approx_standard_normal_cdf, discretized_gaussian_log_likelihood, mean_flat, normal_kl
-from .respace import SpacedDiffusion, space_timesteps
+from .objective import DDPMObjective, ReferenceSampler, SamplerSettings, TrainingObjective
+from .registry import (
+    OBJECTIVE_NAMES,
+    LossWeighting,
+    ObjectiveName,
+    ObjectiveSettings,
+    build_objective,
+    declared_objective,
+    objective_from_record,
+    recorded_objective_name,
+)
+from .respace import SpacedDiffusion, create_diffusion, space_timesteps
 from .weighting import min_snr_weight, min_snr_weights, snr
 
 __all__ = [
+    "OBJECTIVE_NAMES",
+    "DDPMObjective",
+    "FlowSampler",
+    "LastStep",
+    "LossWeighting",
+    "ObjectiveName",
+    "ObjectiveSettings",
+    "ReferenceSampler",
+    "SamplerSettings",
+    "TrainingObjective",
+    "build_objective",
+    "declared_objective",
+    "objective_from_record",
+    "recorded_objective_name",
     "DiffusionForm",
     "FlowLossWeight",
     "FlowMatching",
@@ -41,32 +77,3 @@ __all__ = [
     "snr",
     "space_timesteps",
 ]
-
-
-def create_diffusion(
-    timestep_respacing: str = "",
-    noise_schedule: str = "linear",
-    learn_sigma: bool = True,
-    diffusion_steps: int = 1000,
-    sigma_small: bool = False,
-    loss_type: LossType = "mse",
-) -> SpacedDiffusion:
-    """The diffusion DiT trains and samples with, as the reference's helper.
-
-    ``timestep_respacing``: ``""`` keeps every step (training), ``"250"`` or ``"ddim50"``
-    for sampling (see :func:`space_timesteps`). ``learn_sigma`` selects the learned-range
-    variance (the model outputs 2C channels, hybrid loss); without it the variance is
-    fixed, the posterior's if ``sigma_small`` else beta_t, and the loss is plain MSE.
-    """
-    betas = get_named_beta_schedule(noise_schedule, diffusion_steps)
-    respacing = timestep_respacing or [diffusion_steps]
-    if learn_sigma:
-        var_type: ModelVarType = "learned_range"
-    else:
-        var_type = "fixed_small" if sigma_small else "fixed_large"
-    return SpacedDiffusion(
-        use_timesteps=space_timesteps(diffusion_steps, respacing),
-        betas=betas,
-        model_var_type=var_type,
-        loss_type=loss_type,
-    )

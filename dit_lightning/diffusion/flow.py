@@ -14,38 +14,61 @@ The network predicts the ``velocity`` d x_t / d t (SiT's default), the ``noise``
 grad log p_t(x_t) = -noise / sigma(t); the latter two may weight the loss per time (SiT's
 ``velocity`` and ``likelihood`` weights). Sampling integrates the probability-flow ODE
 ``dx = v(x, t) dt`` or the SDE ``dx = [v + w(t) s(x, t)] dt + sqrt(2 w(t)) dW`` forwards from t = 0,
-where ``s`` is the score and ``w`` the chosen diffusion coefficient (:meth:`FlowMatching.diffusion`);
-the loops live in :mod:`dit_lightning.sampling.flow`.
+where ``s`` is the score and ``w`` the chosen diffusion coefficient (:meth:`FlowMatching.diffusion`).
 
-The time interval follows SiT (``train_eps`` / ``sample_eps``): velocity prediction on the linear and
-GVP paths is stable everywhere and uses [0, 1]; the other combinations stay ``eps`` away from the
-ends where a coefficient divides by zero.
+The time interval follows SiT's ``create_transport`` (``train_eps`` / ``sample_eps``): velocity
+prediction on the linear and GVP paths is stable everywhere and uses [0, 1]; noise and score
+prediction on those paths keep 1e-3 from the ends, the VP path 1e-5 in training and 1e-3 in
+sampling, where a coefficient divides by zero.
 
-Pure PyTorch: no Lightning, nothing of the package above the foundation.
+The samplers (SiT's ``transport/integrators.py``), from the noise at t = 0 forwards to the data at t = 1:
+
+- ``ode-euler`` / ``ode-heun``: the probability-flow ODE on ``num_steps`` evenly spaced times from t0
+  to t1 (``num_steps - 1`` steps; Heun's second-order method takes two network evaluations a step),
+  the steps torchdiffeq's fixed-grid ``euler`` / ``heun2`` take, which SiT calls.
+- ``ode-dopri5``: the adaptive Dormand-Prince solver of torchdiffeq (SiT's default ODE sampler), with
+  ``atol`` / ``rtol``; its step sizes are chosen for the whole batch, so a sample depends on its
+  batch within the solver's tolerance (the fixed-step samplers do not).
+- ``sde-euler`` / ``sde-heun``: Euler-Maruyama (or SiT's stochastic Heun) for
+  ``dx = [v + w(t) score] dt + sqrt(2 w(t)) dW`` with w of ``diffusion_form`` times
+  ``diffusion_norm``, on ``num_steps - 1`` steps from t0 to ``1 - last_step_size``, then SiT's last
+  step (``mean``: one drift step of ``last_step_size`` without noise, ``tweedie``: the denoised
+  estimate, ``euler``: one ODE step, ``none``). ``sde-euler`` with 250 steps, ``sigma`` diffusion and
+  the ``mean`` last step of 0.04 is the sampler of SiT's published FIDs.
+
+Classifier-free guidance is the caller's model function (SiT guides the network output, here the
+velocity, like DiT guides epsilon); the noise of SDE step k is the caller's ``noise_fn(k, x)``.
+
+Pure PyTorch (+ torchdiffeq for ``ode-dopri5``): no Lightning, nothing of the package above the foundation.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, get_args
+from typing import Any, ClassVar, Literal, Optional, get_args
 
 import torch
 from torch import Tensor
 
 from .losses import mean_flat
+from .objective import NoiseFn, SamplerSettings, TrainingObjective
 
 PathType = Literal["linear", "gvp", "vp"]
 Prediction = Literal["velocity", "noise", "score"]
 FlowLossWeight = Literal["none", "velocity", "likelihood"]
 TimeDistribution = Literal["uniform", "logit_normal"]
 DiffusionForm = Literal["sigma", "sbdm", "constant", "linear", "decreasing", "increasing-decreasing"]
+FlowSampler = Literal["ode-euler", "ode-heun", "ode-dopri5", "sde-euler", "sde-heun"]
+LastStep = Literal["mean", "tweedie", "euler", "none"]
 
 # The VP path's beta range (SiT's VPCPlan defaults).
 VP_BETA_MIN, VP_BETA_MAX = 0.1, 20.0
-# SiT's command-line defaults (train_utils.py), used where its create_transport keeps an epsilon.
-DEFAULT_TRAIN_EPS, DEFAULT_SAMPLE_EPS = 1e-5, 1e-3
+# create_transport's epsilons when train_eps / sample_eps are unset (SiT's command line leaves them
+# unset): (train, sample) for the VP path, and for noise or score prediction on the linear / GVP paths.
+VP_EPS = (1e-5, 1e-3)
+NON_VELOCITY_EPS = (1e-3, 1e-3)
 
 ModelFn = Callable[..., Tensor]
 
@@ -61,18 +84,25 @@ def _check(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
-class FlowMatching:
+class FlowMatching(TrainingObjective):
     """A flow-matching objective: the path, what the network predicts, the loss weight, the time
     interval and (for training) the distribution of times.
 
     ``train_eps`` / ``sample_eps``: the distance kept from the ends of [0, 1] in training and in
-    sampling; unset (None) they are SiT's: 0 for velocity prediction on the linear and GVP paths
-    (which SiT always trains and samples on the whole interval; other values are refused), else
-    1e-5 and 1e-3 (its scripts' defaults). ``time_distribution``: ``uniform`` on the training
+    sampling; unset (None) they are SiT's ``create_transport``'s: 0 for velocity prediction on the
+    linear and GVP paths (which SiT always trains and samples on the whole interval; other values are
+    refused), 1e-3 and 1e-3 for noise or score prediction on those paths, 1e-5 and 1e-3 on the VP
+    path. (SiT also takes 1e-3 for sampling when only ``sample_eps`` is given; here a given value is
+    used.) ``time_distribution``: ``uniform`` on the training
     interval (SiT), or ``logit_normal``, where the noise level ``1 - t`` is ``sigmoid(n)`` with
     ``n ~ N(time_mean, time_std^2)`` (Esser et al. 2024, SD3's convention: a positive mean puts
     the weight on noisier times), mapped onto the training interval.
     """
+
+    name: ClassVar[str] = "flow"
+    samplers: ClassVar[tuple[str, ...]] = get_args(FlowSampler)
+    default_sampler: ClassVar[str] = "sde-euler"  # SiT's published FIDs
+    drops_unused_outputs: ClassVar[bool] = True  # SiT's networks output 2C and use the first C
 
     path_type: PathType = "linear"
     prediction: Prediction = "velocity"
@@ -104,8 +134,9 @@ class FlowMatching:
                     )
             train, sample = 0.0, 0.0
         else:
-            train = DEFAULT_TRAIN_EPS if self.train_eps is None else float(self.train_eps)
-            sample = DEFAULT_SAMPLE_EPS if self.sample_eps is None else float(self.sample_eps)
+            default_train, default_sample = VP_EPS if self.path_type == "vp" else NON_VELOCITY_EPS
+            train = default_train if self.train_eps is None else float(self.train_eps)
+            sample = default_sample if self.sample_eps is None else float(self.sample_eps)
             for name, value in (("train_eps", train), ("sample_eps", sample)):
                 if not 0.0 <= value < 0.5:
                     raise ValueError(f"{name} must be in [0, 0.5), got {value}")
@@ -283,3 +314,141 @@ class FlowMatching:
         else:
             err = (pred * self.sigma(_column(t, x_t))[0] + noise) ** 2
         return {"loss": mean_flat(err if weight is None else weight * err)}
+
+    # ---- the objective's protocol (TrainingObjective) -----------------------------------------
+    @property
+    def learns_variance(self) -> bool:
+        return False
+
+    def training_terms(
+        self, model_fn: ModelFn, x: Tensor, noise: Tensor, u: Tensor, model_kwargs: Mapping[str, Any]
+    ) -> dict[str, Tensor]:
+        return self.training_losses(model_fn, x, noise, self.training_time(u), dict(model_kwargs))
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "objective": self.name,
+            "path_type": self.path_type,
+            "prediction": self.prediction,
+            "loss_weighting": self.loss_weight,
+            "train_eps": self.train_eps,
+            "sample_eps": self.sample_eps,
+            "time_distribution": self.time_distribution,
+            "time_mean": self.time_mean,
+            "time_std": self.time_std,
+        }
+
+    def shared_settings(self) -> dict[str, Any]:
+        return {"objective": self.name, "path_type": self.path_type, "prediction": self.prediction}
+
+    def describe(self) -> str:
+        return f"objective flow ({self.path_type} path, {self.prediction} prediction)"
+
+    # ---- sampling ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run_sampler(
+        self,
+        fn: Callable[[Tensor, Tensor, Tensor], Tensor],
+        noise: Tensor,
+        y: Tensor,
+        settings: SamplerSettings,
+        noise_fn: Optional[NoiseFn] = None,
+    ) -> Tensor:
+        """Integrate from the unit ``noise`` (t = 0) to data with flow sampler ``settings.sampler``.
+
+        ``fn(x, t, y)`` is the (guided) network, ``t`` the (N,) times in [0, 1]; its first C channels
+        are the prediction. ``noise_fn(step, x)`` gives the noise of SDE step ``step`` (0 = the first);
+        without it the steps draw from torch's generator.
+        """
+        sampler, num_steps = settings.sampler, settings.num_steps
+        self.check_sampler(sampler)
+        if num_steps < 2:
+            raise ValueError(
+                f"num_steps must be at least 2 for flow samplers (the times from t0 to t1), got {num_steps}"
+            )
+        if settings.eta:
+            raise ValueError(f"eta={settings.eta} is a DDIM setting: flow sampler {sampler!r} has none (use 0)")
+        if settings.cfg_interval is not None:
+            raise ValueError("cfg_interval is given in DDPM timesteps: flow samplers do not take it (leave it unset)")
+        x, n = noise, noise.shape[0]
+
+        def prediction(x: Tensor, t: Tensor) -> Tensor:
+            return self.prediction_of(fn(x, t, y), x)
+
+        def at(t: Tensor) -> Tensor:  # a time of the grid for every sample
+            return torch.ones(n, device=x.device, dtype=x.dtype) * t
+
+        if sampler.startswith("ode-"):
+            t0, t1 = self.interval(sampling=True)
+            times = torch.linspace(t0, t1, num_steps).to(x.device)  # SiT's grid: float32 linspace on the CPU
+
+            def velocity(x: Tensor, t: Tensor) -> Tensor:
+                return self.velocity(prediction(x, t), x, t)
+
+            if sampler == "ode-dopri5":
+                from torchdiffeq import odeint
+
+                return odeint(
+                    lambda t, x: velocity(x, at(t)),
+                    x,
+                    times,
+                    method="dopri5",
+                    atol=[settings.atol],
+                    rtol=[settings.rtol],
+                )[-1]
+            for k in range(num_steps - 1):
+                t, dt = times[k], times[k + 1] - times[k]
+                k1 = velocity(x, at(t))
+                if sampler == "ode-euler":
+                    x = x + dt * k1
+                else:  # Heun: trapezoidal corrector on an Euler predictor
+                    k2 = velocity(x + dt * k1, at(t + dt))
+                    x = x + dt * (k1 * 0.5 + k2 * 0.5)
+            return x
+
+        form, norm = settings.diffusion_form, settings.diffusion_norm
+        last: LastStep = settings.last_step
+        last_size = 0.0 if last == "none" else float(settings.last_step_size)
+        if last != "none" and not 0 < last_size < 1:
+            raise ValueError(f"last_step_size must be in (0, 1) for the {last} last step, got {last_size}")
+        if form == "sbdm" and self.sample_eps == 0:
+            raise ValueError(
+                "diffusion_form sbdm diverges at t = 0, where a velocity model on the linear or GVP path starts: "
+                "use sigma (SiT's default) or another form"
+            )
+        t0, t1 = self.interval(sampling=True, sde=True, diffusion_form=form, last_step_size=last_size)
+        if sampler == "sde-heun" and float(self.sigma(torch.tensor(t1))[0]) == 0.0:
+            # Heun's corrector evaluates the score at t1, where sigma is exactly 0 on the linear path
+            # (NaN, in SiT too); on GVP cos(pi / 2) is not exactly 0 in floating point, and SiT samples it
+            raise ValueError(
+                f"sde-heun without a last step evaluates the score at t = {t1}, where sigma is 0 on the "
+                f"{self.path_type} path (NaN, in SiT too): keep a last step (last_step mean, SiT's default) or "
+                "use sde-euler"
+            )
+        times = torch.linspace(t0, t1, num_steps)
+        dt = times[1] - times[0]
+
+        def drift(x: Tensor, t: Tensor) -> Tensor:
+            return self.sde_drift(prediction(x, t), x, t, form, norm)
+
+        for k, tk in enumerate(times[:-1]):
+            w = noise_fn(k, x) if noise_fn is not None else torch.randn_like(x)
+            dw = w * torch.sqrt(dt)
+            t = at(tk.to(x.device))
+            if sampler == "sde-euler":
+                mean = x + drift(x, t) * dt
+                x = mean + torch.sqrt(2 * self.diffusion(x, t, form, norm)) * dw
+            else:  # SiT's stochastic Heun: noise first, then a Heun step of the drift
+                x_hat = x + torch.sqrt(2 * self.diffusion(x, t, form, norm)) * dw
+                k1 = drift(x_hat, t)
+                k2 = drift(x_hat + dt * k1, t + dt)
+                x = x_hat + 0.5 * dt * (k1 + k2)
+        t = at(times[-1].to(x.device))
+        if last == "mean":
+            return x + drift(x, t) * last_size
+        if last == "euler":
+            return x + self.velocity(prediction(x, t), x, t) * last_size
+        if last == "tweedie":
+            a, s = self.alpha(t[0])[0], self.sigma(t[0])[0]  # SiT takes the batch's first time (all are t1)
+            return x / a + s**2 / a * self.score(prediction(x, t), x, t)
+        return x

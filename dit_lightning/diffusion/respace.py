@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .gaussian_diffusion import GaussianDiffusion, ModelFn
+from .gaussian_diffusion import GaussianDiffusion, LossType, ModelFn, ModelVarType, get_named_beta_schedule
 
 
 def space_timesteps(num_timesteps: int, section_counts: Union[str, list[int]]) -> set[int]:
@@ -119,3 +119,32 @@ class SpacedDiffusion(GaussianDiffusion):
     def original_timesteps(self, t: Tensor) -> Tensor:
         """Original-process indices of spaced timesteps ``t``."""
         return torch.tensor(self.timestep_map, dtype=torch.long, device=t.device)[t.long()]
+
+
+def create_diffusion(
+    timestep_respacing: str = "",
+    noise_schedule: str = "linear",
+    learn_sigma: bool = True,
+    diffusion_steps: int = 1000,
+    sigma_small: bool = False,
+    loss_type: LossType = "mse",
+) -> SpacedDiffusion:
+    """The diffusion DiT trains and samples with, as the reference's helper.
+
+    ``timestep_respacing``: ``""`` keeps every step (training), ``"250"`` or ``"ddim50"``
+    for sampling (see :func:`space_timesteps`). ``learn_sigma`` selects the learned-range
+    variance (the model outputs 2C channels, hybrid loss); without it the variance is
+    fixed, the posterior's if ``sigma_small`` else beta_t, and the loss is plain MSE.
+    """
+    betas = get_named_beta_schedule(noise_schedule, diffusion_steps)
+    respacing = timestep_respacing or [diffusion_steps]
+    if learn_sigma:
+        var_type: ModelVarType = "learned_range"
+    else:
+        var_type = "fixed_small" if sigma_small else "fixed_large"
+    return SpacedDiffusion(
+        use_timesteps=space_timesteps(diffusion_steps, respacing),
+        betas=betas,
+        model_var_type=var_type,
+        loss_type=loss_type,
+    )

@@ -1,17 +1,16 @@
 """The sampling layer: which class each sample gets (:mod:`.labels`), how it is sampled (one
 :class:`SamplingOptions`, :mod:`.options`) and the loop that turns keyed noise into latents with
-guidance, DDPM or DDIM (:mod:`.loop`), or one of diffusers' multistep schedulers built from the
-model's betas (:mod:`.schedulers`); flow-matching models take SiT's ODE / SDE samplers
-(:mod:`.flow`). Pure PyTorch (+ diffusers, torchdiffeq).
+guidance and the model's objective's own steps (DDPM / DDIM, or SiT's ODE / SDE samplers for flow
+matching: :mod:`dit_lightning.diffusion`) (:mod:`.loop`), or one of diffusers' multistep schedulers
+built from the model's betas (:mod:`.schedulers`). Pure PyTorch (+ diffusers).
 
 Decoding latents to images and writing files live in :mod:`dit_lightning.images`; loading a
 network from a checkpoint in :mod:`dit_lightning.checkpoints`; the ``sample`` command in
 :mod:`dit_lightning.commands.sample`.
 """
 
-from .flow import FLOW_SAMPLERS, FlowSampler, check_flow_sampling, is_flow_sampler, sample_flow
 from .labels import LabelPlan, LabelSpec, SampleRequests, parse_labels
-from .loop import build_sampling_diffusion, guided_model_fn, initial_noise, sample_latents, step_noise
+from .loop import guided_model_fn, initial_noise, sample_latents, step_noise
 from .options import SAMPLING_OPTION_NAMES, ResolvedSamplingOptions, SamplingOptions, sampling_options
 from .schedulers import (
     DIFFUSERS_SAMPLERS,
@@ -26,8 +25,6 @@ from .schedulers import (
 __all__ = [
     "DIFFUSERS_SAMPLERS",
     "DiffusersSampler",
-    "FLOW_SAMPLERS",
-    "FlowSampler",
     "LabelPlan",
     "LabelSpec",
     "ResolvedSamplingOptions",
@@ -35,16 +32,12 @@ __all__ = [
     "SampleRequests",
     "Sampler",
     "SamplingOptions",
-    "build_sampling_diffusion",
     "build_scheduler",
-    "check_flow_sampling",
     "guided_model_fn",
     "initial_noise",
     "is_diffusers_sampler",
-    "is_flow_sampler",
     "noise_schedule_of",
     "parse_labels",
-    "sample_flow",
     "sample_latents",
     "sampling_options",
     "scheduler_config",

@@ -1,6 +1,6 @@
-"""The sampling loop: noise, classifier-free guidance, DDPM / DDIM steps (or a diffusers
-scheduler's, :mod:`.schedulers`; or, for flow-matching models, SiT's ODE / SDE samplers, :mod:`.flow`).
-Nothing else.
+"""The sampling loop: noise, classifier-free guidance, and the steps of the model's objective (its own
+loops: DDPM / DDIM, or SiT's ODE / SDE samplers for flow matching; :mod:`dit_lightning.diffusion`) or
+of a diffusers scheduler (:mod:`.schedulers`). Nothing else.
 
 Every random number of sample ``i`` (its initial noise, the noise of every DDPM / DDIM step) is
 a pure function of ``(seed, i, step)`` drawn with :mod:`dit_lightning.keyed_random`, not of a
@@ -18,38 +18,17 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from ..diffusion import FlowMatching, SpacedDiffusion, create_diffusion
+from ..diffusion import DDPMObjective, TrainingObjective
 from ..keyed_random import keyed_normal, sample_keys
 from ..models.dit import DiT
 from ..precision import SamplingPrecision, autocast, to_dtype
 from ..signals import stop_point
-from .flow import check_flow_sampling, sample_flow
 from .options import SamplingOptions, sampling_options
-from .schedulers import Sampler, check_sampler, is_diffusers_sampler, sample_with_scheduler
+from .schedulers import DIFFUSERS_SAMPLERS, check_sampler, is_diffusers_sampler, sample_with_scheduler
 
 # Keys of the counter-based random numbers; fixed forever, since they define which image
 # sample i is for a given seed.
 _KEY_INIT, _KEY_STEP = 0x1E1, 0x57E
-
-
-def build_sampling_diffusion(
-    sampler: Sampler,
-    num_steps: int,
-    noise_schedule: str = "linear",
-    diffusion_steps: int = 1000,
-    learn_sigma: bool = True,
-) -> SpacedDiffusion:
-    """The respaced process: ``"250"`` for DDPM; ``"ddimN"`` (even stride) for DDIM where N
-    divides the steps that way, else the section respacing of N steps."""
-    if num_steps < 2 or num_steps > diffusion_steps:
-        # One step has no posterior variance to interpolate (the learned-range variance needs t=1).
-        raise ValueError(f"num_steps must be in 2..{diffusion_steps}, got {num_steps}")
-    respacing = str(num_steps)
-    if sampler == "ddim" and any(len(range(0, diffusion_steps, s)) == num_steps for s in range(1, diffusion_steps)):
-        respacing = f"ddim{num_steps}"
-    return create_diffusion(
-        respacing, noise_schedule=noise_schedule, learn_sigma=learn_sigma, diffusion_steps=diffusion_steps
-    )
 
 
 def initial_noise(indices: Tensor, shape: Sequence[int], seed: int) -> Tensor:
@@ -113,12 +92,10 @@ def sample_latents(
     indices: Optional[Union[Tensor, Sequence[int]]] = None,
     *,
     options: Optional[SamplingOptions] = None,
-    noise_schedule: str = "linear",
-    diffusion_steps: int = 1000,
+    objective: Optional[TrainingObjective] = None,
     noise: Optional[Tensor] = None,
     noise_fn: Optional[Callable[[int, Tensor], Tensor]] = None,
     model_fn: Optional[Callable[..., Tensor]] = None,
-    flow: Optional[FlowMatching] = None,
     **overrides: Any,
 ) -> Tensor:
     """Latents (N, C, H, W) for ``labels``, sample ``indices[k]`` drawn from keys (seed, index).
@@ -126,16 +103,17 @@ def sample_latents(
     How: ``options`` and keyword ``overrides`` of its fields (``sampler="ddim", num_steps=50,
     cfg_scale=4.0, seed=1``; :class:`~.options.SamplingOptions`); unset ones take the library's
     defaults (DDPM-250, no guidance, no x0 clamp), a model's are ``DiTModule.sample``'s.
-    ``noise_schedule`` and ``diffusion_steps`` are the model's training process; ``flow`` the
-    flow-matching objective of a model trained with one (None: a DDPM model). A flow model takes
-    the flow samplers (``ode-euler``...; :mod:`.flow`), a DDPM model the others: each refuses the other.
+    ``objective`` is what trained the model (:class:`~dit_lightning.diffusion.TrainingObjective`;
+    default DiT's DDPM on the linear schedule of 1000 steps): it runs its own samplers (DDPM / DDIM,
+    or a flow model's ODE / SDE samplers) and refuses another objective's; diffusers' schedulers
+    sample the objectives that predict epsilon on the model's betas.
 
     ``indices`` default to ``0..N-1``. ``noise`` overrides x_T; ``noise_fn(step, x)`` overrides
     the per-step noise (tests use it to replay a ``torch.Generator``). DDPM is ancestral
     sampling with the learned variance; DDIM ignores the variance and adds ``eta``-scaled
     noise (eta 0: deterministic given x_T).
 
-    ``clip_denoised`` clamps every step's estimate of x_0 to [-1, 1] (every sampler). Pixel
+    ``clip_denoised`` clamps every step's estimate of x_0 to [-1, 1] (every DDPM sampler). Pixel
     stores need it (``clip_denoised_for(vae)``): without the clamp a step where alphas_cumprod
     is tiny turns a small epsilon error into a huge x_0 (the cosine schedule's last step,
     acp ~ 2.4e-9, multiplies it by ~2e4) that ancestral sampling carries into the next inputs
@@ -153,12 +131,8 @@ def sample_latents(
     shape = (net.in_channels, net.input_size, net.input_size)
     seed = opts.seed
     check_sampler(opts.sampler)
-    check_flow_sampling(opts.sampler, flow)
-    diffusion = (
-        None
-        if is_diffusers_sampler(opts.sampler) or flow is not None  # built by the scheduler's / flow's loop
-        else build_sampling_diffusion(opts.sampler, opts.num_steps, noise_schedule, diffusion_steps, net.learn_sigma)
-    )
+    objective = (objective or DDPMObjective()).for_network(net.learn_sigma)
+    objective.check_sampler(opts.sampler, tuple(DIFFUSERS_SAMPLERS))
     guided = model_fn or guided_model_fn(
         net, opts.cfg_scale, opts.guide_channels, opts.precision, cfg_interval=opts.cfg_interval
     )
@@ -178,21 +152,15 @@ def sample_latents(
         raise ValueError(f"noise of shape {tuple(x.shape)}, expected {(n, *shape)}")
     was_training = net.training
     net.eval()
-    common: dict[str, Any] = dict(
-        noise=x, clip_denoised=opts.clip_denoised, model_kwargs={"y": y}, device=device, noise_fn=noise_fn
-    )
     try:
-        if flow is not None:
-            x = sample_flow(fn, x, y, flow, opts, noise_fn=noise_fn)
-        elif diffusion is None:
+        if is_diffusers_sampler(opts.sampler):  # epsilon on the model's betas (the objective accepted it)
+            assert isinstance(objective, DDPMObjective)
             x = sample_with_scheduler(
-                fn, x, y, idx, opts, in_channels=net.in_channels, learn_sigma=net.learn_sigma,
-                noise_schedule=noise_schedule, diffusion_steps=diffusion_steps, noise_fn=noise_fn,
+                fn, x, y, idx, opts, seed=seed, in_channels=net.in_channels, learn_sigma=net.learn_sigma,
+                noise_schedule=objective.noise_schedule, diffusion_steps=objective.diffusion_steps, noise_fn=noise_fn,
             )  # fmt: skip
-        elif opts.sampler == "ddpm":
-            x = diffusion.p_sample_loop(fn, x.shape, **common)
         else:
-            x = diffusion.ddim_sample_loop(fn, x.shape, eta=opts.eta, **common)
+            x = objective.run_sampler(fn, x, y, opts, noise_fn=noise_fn)
     finally:
         net.train(was_training)
     return x

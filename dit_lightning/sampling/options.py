@@ -22,10 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..diffusion.flow import DiffusionForm
+from ..diffusion import DiffusionForm, LastStep
 from ..precision import SamplingPrecision
 from ..vae import clip_denoised_for
-from .flow import LastStep
 from .schedulers import Sampler
 
 
@@ -98,6 +97,11 @@ class SamplingOptions:
     last_step_size: float = 0.04
 
     def __post_init__(self) -> None:
+        if self.atol < 0 or self.rtol < 0 or (self.atol == 0 and self.rtol == 0):
+            raise ValueError(
+                f"atol {self.atol} / rtol {self.rtol}: ode-dopri5's tolerances must be >= 0 and not both 0 "
+                "(SiT's defaults: atol 1e-6, rtol 1e-3)"
+            )
         if self.cfg_interval is not None:
             interval = tuple(float(t) for t in self.cfg_interval)  # a list from YAML or JSON too
             if len(interval) != 2 or interval[0] > interval[1]:

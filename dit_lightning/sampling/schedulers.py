@@ -25,20 +25,16 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Optional, get_args
+from typing import Any, Literal, Optional, get_args
 
 import torch
 from torch import Tensor
 
+from ..diffusion import FlowSampler, ReferenceSampler, SamplerSettings
 from ..keyed_random import sample_keys
-from .flow import FlowSampler
-
-if TYPE_CHECKING:  # options.py imports Sampler from here
-    from .options import ResolvedSamplingOptions
 
 # The diffusion's own loops (reference parity), diffusers' schedulers and, for flow-matching models,
-# the ODE / SDE samplers of :mod:`.flow`.
-ReferenceSampler = Literal["ddpm", "ddim"]
+# the ODE / SDE samplers of :mod:`dit_lightning.diffusion.flow`.
 DiffusersSampler = Literal[
     "dpm++2m",
     "dpm++2m-karras",
@@ -199,8 +195,9 @@ def sample_with_scheduler(
     x: Tensor,
     y: Tensor,
     indices: Tensor,
-    options: ResolvedSamplingOptions,
+    options: SamplerSettings,
     *,
+    seed: int,
     in_channels: int,
     learn_sigma: bool,
     noise_schedule: str = "linear",
@@ -241,6 +238,6 @@ def sample_with_scheduler(
             if noise_fn is not None:
                 kwargs["variance_noise"] = noise_fn(k, x)
         elif draws_noise:
-            kwargs["generator"] = _per_sample_generators(indices, options.seed, k)
+            kwargs["generator"] = _per_sample_generators(indices, seed, k)
         x = scheduler.step(model_output, t, x, **kwargs).prev_sample
     return x

@@ -91,5 +91,5 @@ def test_the_grid_of_a_flow_model_samples_with_the_models_sampler():
     trainer = SimpleNamespace(is_global_zero=True, global_step=0, accumulate_grad_batches=1, loggers=[])
     image = SampleGrid(classes=[1, 2], per_class=2, num_steps=3).render(trainer, module)  # sde-euler, the module's
     assert image.shape == (3, 2 * 9 + 1, 2 * 9 + 1) and torch.isfinite(image).all()
-    with pytest.raises(ValueError, match="trained with flow matching"):
+    with pytest.raises(ValueError, match="does not sample a model trained with objective flow"):
         SampleGrid(classes=[1], per_class=1, num_steps=3, sampler="ddpm").render(trainer, module)

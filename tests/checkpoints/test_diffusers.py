@@ -263,7 +263,7 @@ def test_safetensors_export_needs_no_pickle_and_records_the_settings(tmp_path):
     assert set(tensors) == set(net.state_dict())
     loaded = load_dit(path)
     assert loaded.config["num_heads"] == 2 and not loaded.notes
-    assert loaded.noise_schedule == "cosine" and loaded.vae == "none/pixels"
+    assert loaded.objective.noise_schedule == "cosine" and loaded.vae == "none/pixels"
     x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([5, 900]), torch.tensor([1, 10])
     assert torch.equal(loaded.net(x, t, y), net(x, t, y))
     # a plain safetensors state dict without our metadata: a raw checkpoint (heads guessed, with a note)

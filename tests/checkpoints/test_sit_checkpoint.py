@@ -15,9 +15,8 @@ from dit_lightning.checkpoints import (
     export_diffusers,
     load_dit,
     read_checkpoint,
-    recorded_objective,
 )
-from dit_lightning.diffusion import FlowMatching
+from dit_lightning.diffusion import FlowMatching, recorded_objective_name
 from dit_lightning.module import DiTModule
 from tests.helpers.reference_forward import reference_forward
 from tests.helpers.sit_reference import sit_state_dict
@@ -39,7 +38,7 @@ def test_raw_sit_s2_loads_strictly_with_8_or_4_output_channels(tmp_path):
         torch.save(sd, path)
         loaded = load_dit(str(path))
         assert loaded.config["learn_sigma"] is learn_sigma and loaded.config["num_heads"] == 6
-        assert loaded.objective is None and loaded.flow is None  # a raw file records nothing
+        assert loaded.objective is None  # a raw file records nothing
         for k, v in loaded.net.state_dict().items():
             assert torch.equal(v, sd[k]), k
         x, t, y = inputs()
@@ -57,13 +56,14 @@ def test_sit_training_checkpoint_records_the_flow_objective(tmp_path):
                               train_eps=1e-5, sample_eps=1e-3, image_size=64, num_classes=1000)  # fmt: skip
     torch.save({"model": sd, "ema": sd, "opt": {}, "args": args}, tmp_path / "0050000.pt")
     ckpt = read_checkpoint(tmp_path / "0050000.pt")
-    assert ckpt.format == "reference" and recorded_objective(ckpt.args) == "flow"
+    assert ckpt.format == "reference" and recorded_objective_name(ckpt.args) == "flow"
     loaded = load_dit(ckpt)
-    assert loaded.flow == FlowMatching(path_type="gvp", prediction="noise", loss_weight="likelihood")
+    want = FlowMatching(path_type="gvp", prediction="noise", loss_weight="likelihood", train_eps=1e-5, sample_eps=1e-3)
+    assert loaded.objective == want  # the epsilons it records
     velocity = {**vars(args), "path_type": "Linear", "prediction": "velocity", "loss_weight": None}
     torch.save({"model": sd, "ema": sd, "args": argparse.Namespace(**velocity)}, tmp_path / "v.pt")
-    assert load_dit(str(tmp_path / "v.pt")).flow == FlowMatching()  # SiT's epsilons unused for velocity
-    assert recorded_objective({"model": "DiT-XL/2"}) == "ddpm" and recorded_objective({}) is None
+    assert load_dit(str(tmp_path / "v.pt")).objective == FlowMatching()  # SiT's epsilons unused for velocity
+    assert recorded_objective_name({"model": "DiT-XL/2"}) == "ddpm" and recorded_objective_name({}) is None
 
 
 def test_a_flow_module_starts_from_sits_released_layout(tmp_path):
@@ -84,7 +84,7 @@ def test_a_flow_module_starts_from_sits_released_layout(tmp_path):
 def test_the_diffusers_export_refuses_a_flow_model(tmp_path):
     sd = sit_state_dict(**SMALL)
     ckpt = DiTCheckpoint(str(tmp_path / "sit.ckpt"), "lightning", sd, sd, {"objective": "flow"})
-    with pytest.raises(NotExpressibleError, match="flow-matching model"):
+    with pytest.raises(NotExpressibleError, match="trained with objective flow"):
         export_diffusers(ckpt, tmp_path / "pipe")
     assert not (tmp_path / "pipe").exists()
 
@@ -102,7 +102,7 @@ def test_sample_declares_the_objective_of_a_raw_sit_file(tmp_path):
     config = json.loads((tmp_path / "flow" / "sample_config.json").read_text())
     assert (config["objective"], config["sampler"]) == ("flow", "sde-euler")  # SiT's FID sampler by default
     assert len(list((tmp_path / "flow" / "samples").glob("*.png"))) == 2
-    with pytest.raises(ValueError, match="samples flow-matching models"):
+    with pytest.raises(ValueError, match="does not sample a model trained with objective ddpm"):
         sample(str(tmp_path / "SiT-S-2.pt"), str(tmp_path / "ddpm"), sampler="ode-euler", **common)
     args = argparse.Namespace(
         model="SiT-S/2", path_type="Linear", prediction="velocity", image_size=64, num_classes=1000

@@ -119,7 +119,10 @@ def test_epsilon_settings():
 def test_training_times_uniform_and_logit_normal():
     u = (torch.arange(1000, dtype=torch.float32) + 0.5) / 1000
     uniform = FlowMatching(path_type="gvp", prediction="noise").training_time(u)
-    torch.testing.assert_close(uniform, u * (1 - 2e-5) + 1e-5)  # SiT: rand * (t1 - t0) + t0
+    ref = reference("gvp", "noise")
+    t0, t1 = ref.check_interval(ref.train_eps, ref.sample_eps)  # SiT's Transport.sample: [1e-3, 1 - 1e-3] here
+    torch.testing.assert_close(uniform, u * (t1 - t0) + t0)  # SiT: rand * (t1 - t0) + t0
+    assert (t0, t1) == pytest.approx((1e-3, 1 - 1e-3))
     ln = FlowMatching(time_distribution="logit_normal", time_mean=0.5, time_std=0.8).training_time(u)
     assert 0 < ln.min() and ln.max() < 1
     # the noise level 1 - t is sigmoid(N(0.5, 0.8^2)): its logit's quantiles are the normal's

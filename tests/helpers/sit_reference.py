@@ -4,7 +4,9 @@ function it comes from. It is deliberately literal (SiT's names: ``x0`` is the n
 data; its branches, its dtype handling, its doubled classifier-free-guidance batch, its
 torchdiffeq call), so that a reformulation in ``dit_lightning`` that changes a result shows.
 
-Two things differ from SiT by construction, both marked: the training time ``t`` and the noise
+A transcription keeps SiT's own signatures and defaults: never edit it to this project's numbers (a
+test that compares the project with an edited copy compares the project with itself). Two things
+differ from SiT by construction, both marked: the training time ``t`` and the noise
 ``x0`` are arguments (SiT draws them with ``th.rand`` / ``th.randn_like`` inside
 ``Transport.sample``), and the SDE's per-step noise comes from a ``randn(step, shape)`` argument
 (SiT calls ``th.randn``), so that the same draws can be given to both implementations.
@@ -109,8 +111,9 @@ class Path:
         return t, xt, ut
 
 
-# ---- transport/__init__.py: create_transport, with train_utils.py's command-line defaults --------
-def create_transport(path_type="Linear", prediction="velocity", loss_weight=None, train_eps=1e-5, sample_eps=1e-3):
+# ---- transport/__init__.py: create_transport, its signature and defaults as SiT's (train_utils.py's
+# command line leaves --train-eps / --sample-eps unset, so these None defaults are what SiT runs with) --
+def create_transport(path_type="Linear", prediction="velocity", loss_weight=None, train_eps=None, sample_eps=None):
     if path_type == "VP":
         train_eps_new = 1e-5 if train_eps is None else train_eps
         sample_eps_new = 1e-3 if train_eps is None else sample_eps

@@ -1,4 +1,4 @@
-"""The flow samplers (dit_lightning.sampling.flow through sample_latents) against SiT's samplers
+"""The flow samplers (FlowMatching.run_sampler, through sample_latents) against SiT's samplers
 (tests/helpers/sit_reference.py: its drift, its torchdiffeq call, its SDE steps and last steps, its
 doubled classifier-free-guidance batch) on a tiny random network, with the same keyed noise; and the
 refusals of the other objective's samplers."""
@@ -22,7 +22,7 @@ SEED = 5
 
 def ours(net, flow, sampler, steps, cfg=1.0, guide=None, indices=None, labels=LABELS, **options):
     opts = SamplingOptions(sampler=sampler, num_steps=steps, cfg_scale=cfg, guide_channels=guide, seed=SEED, **options)
-    return sample_latents(net, labels, indices, options=opts, flow=flow)
+    return sample_latents(net, labels, indices, options=opts, objective=flow)
 
 
 def theirs(net, path, prediction, run, cfg=1.0, guide=None):
@@ -142,10 +142,10 @@ def test_sample_i_does_not_depend_on_the_batch():
 
 def test_each_objective_refuses_the_others_samplers():
     net = random_dit(seed=8)
-    with pytest.raises(ValueError, match="flow-matching models"):
+    with pytest.raises(ValueError, match="does not sample a model trained with objective ddpm.*use ddpm, ddim"):
         ours(net, None, "ode-euler", 4)
     for sampler in ("ddpm", "ddim", "dpm++2m"):
-        with pytest.raises(ValueError, match="trained with flow matching"):
+        with pytest.raises(ValueError, match="trained with objective flow .*use ode-euler"):
             ours(net, FlowMatching(), sampler, 4)
     with pytest.raises(ValueError, match="eta"):
         ours(net, FlowMatching(), "ode-euler", 4, eta=1.0)
@@ -153,3 +153,14 @@ def test_each_objective_refuses_the_others_samplers():
         ours(net, FlowMatching(), "ode-euler", 1)
     with pytest.raises(ValueError, match="sbdm"):
         ours(net, FlowMatching(), "sde-euler", 4, diffusion_form="sbdm")  # diverges at t = 0 (NaN in SiT)
+
+
+def test_sde_heun_without_a_last_step_on_gvp_samples_as_sit():
+    """On the GVP path sigma(1) = cos(pi / 2) is not exactly 0 in floating point: SiT's stochastic Heun
+    without a last step gives finite samples there, and so does this one (the linear path is refused)."""
+    net = random_dit(seed=9)
+    flow = FlowMatching(path_type="gvp")
+    expected = theirs(net, "gvp", "velocity", sde("Heun", 5, last_step=None))
+    got = ours(net, flow, "sde-heun", 5, last_step="none")
+    assert torch.isfinite(got).all()
+    close(got, expected)

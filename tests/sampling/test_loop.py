@@ -5,8 +5,8 @@ against the diffusion's own loops, autocast, and x_0 clamping for pixel stores. 
 import pytest
 import torch
 
-from dit_lightning.diffusion import create_diffusion
-from dit_lightning.sampling import build_sampling_diffusion, guided_model_fn, initial_noise, sample_latents
+from dit_lightning.diffusion import DDPMObjective, create_diffusion
+from dit_lightning.sampling import guided_model_fn, initial_noise, sample_latents
 from tests.helpers.models import random_dit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,8 +18,10 @@ def test_ddim_eta0_matches_the_diffusion_loop_and_is_deterministic():
     b = sample_latents(net, y, sampler="ddim", num_steps=8, cfg_scale=2.0, seed=5)
     assert torch.equal(a, b)
     z = initial_noise(torch.arange(3), (4, 8, 8), 5)
-    ref = build_sampling_diffusion("ddim", 8).ddim_sample_loop(
-        guided_model_fn(net, 2.0), z.shape, noise=z, model_kwargs={"y": y}
+    ref = (
+        DDPMObjective()
+        .respaced("ddim", 8, learn_sigma=True)
+        .ddim_sample_loop(guided_model_fn(net, 2.0), z.shape, noise=z, model_kwargs={"y": y})
     )
     torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-5)
     # eta > 0 draws keyed noise: deterministic per seed, different from eta 0
@@ -35,8 +37,10 @@ def test_ddpm_step_matches_the_diffusion_p_sample_loop():
     z = torch.randn(2, 4, 8, 8, generator=g)
     ours = sample_latents(net, y, num_steps=7, noise=z, noise_fn=lambda step, x: torch.randn(x.shape, generator=g))
     g = torch.Generator().manual_seed(3)
-    ref = build_sampling_diffusion("ddpm", 7).p_sample_loop(
-        net.forward, (2, 4, 8, 8), model_kwargs={"y": y}, generator=g
+    ref = (
+        DDPMObjective()
+        .respaced("ddpm", 7, learn_sigma=True)
+        .p_sample_loop(net.forward, (2, 4, 8, 8), model_kwargs={"y": y}, generator=g)
     )
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
@@ -111,10 +115,10 @@ def test_clip_denoised_keeps_cosine_pixel_sampling_in_range(sampler):
     net = random_dit(in_channels=1)  # only fixes the shape and device; model_fn replaces it
     data = torch.rand(5, 1, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2 - 1
     y = torch.zeros(4, dtype=torch.long)
-    kw = dict(sampler=sampler, num_steps=10, noise_schedule="cosine", seed=3)
+    kw = dict(sampler=sampler, num_steps=10, objective=DDPMObjective(noise_schedule="cosine"), seed=3)
     if sampler == "ddim":
         kw["num_steps"] = 37  # no integer stride gives 37 steps: section respacing, t = 999 as DDPM
-    assert 999 in build_sampling_diffusion(sampler, kw["num_steps"], "cosine").timestep_map
+    assert 999 in DDPMObjective(noise_schedule="cosine").respaced(sampler, kw["num_steps"], True).timestep_map
 
     seen: list[float] = []
     out = sample_latents(net, y, model_fn=_noisy_oracle(data, "cosine", 0.02, seen), clip_denoised=True, **kw)

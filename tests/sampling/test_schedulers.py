@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, DPMSolverMultistepScheduler
 
-from dit_lightning.diffusion import get_named_beta_schedule
+from dit_lightning.diffusion import DDPMObjective, get_named_beta_schedule
 from dit_lightning.images import make_grid_image
 from dit_lightning.sampling import (
     DIFFUSERS_SAMPLERS,
@@ -100,7 +100,7 @@ def test_clip_denoised_keeps_cosine_pixel_sampling_in_range(sampler):
     net = random_dit(in_channels=1)
     data = torch.rand(5, 1, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2 - 1
     y = torch.zeros(4, dtype=torch.long)
-    kw = dict(sampler=sampler, num_steps=10, noise_schedule="cosine", seed=3)
+    kw = dict(sampler=sampler, num_steps=10, objective=DDPMObjective(noise_schedule="cosine"), seed=3)
     seen: list[float] = []
     out = sample_latents(net, y, model_fn=_noisy_oracle(data, "cosine", 0.02, seen), clip_denoised=True, **kw)
     assert max(seen[1:]) < 6.0 and out.abs().max() <= 1.0 + 1e-4
