@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import logging
-import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -31,7 +29,6 @@ from .checkpoints import (
     sit_output_layout,
     strip_prefix,
 )
-from .data.store import file_sha256
 from .diffusion import (
     LossWeighting,
     ObjectiveName,
@@ -49,7 +46,8 @@ from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
-from .models.repa import Projector, REPAOptions, alignment_loss
+from .models.repa import REPAOptions
+from .models.repa_head import EncoderIdentity, REPAHead, image_shape_of, repa_head
 from .precision import compute_dtype, grad_scaler, is_fp16, pending_grad_scale, set_tf32
 from .sampling import DIFFUSERS_SAMPLERS, Sampler, SamplingOptions, sample_latents, sampling_options
 from .schedules import WarmupDecayLR
@@ -225,19 +223,16 @@ class DiTModule(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         # Under LightningCLI save_hyperparameters records the parsed config, not these locals: the record
         # must say what runs (a flow model's sampler and variance), so set what the objective changed.
-        repa_options = _repa_options(repa)
-        self._repa_encoder: dict[str, nn.Module] = {}  # a plain dict: the frozen encoder stays out of the state dict
-        if repa_options is not None and repa_options.feature_dim is None:
-            repa_options = self._probe_repa_encoder(repa_options, latent_shape, vae)
+        # REPA's head reads its encoder's feature width (and hashes its weights) for the record
+        self.repa: Optional[REPAHead] = repa_head(repa, image_shape_of(latent_shape, is_pixel_space(vae)))
         records: tuple[Any, ...] = (self.hparams, self._hparams_initial)
         for record in records:  # the checkpoint's and the logger's (hparams.yaml)
             record.update(
                 **self.objective.record(),
                 learn_sigma=learn_sigma,
                 sampler=sampler,
-                repa=dataclasses.asdict(repa_options) if repa_options is not None else None,
+                repa=self.repa.record() if self.repa is not None else None,
             )
-        self.repa = repa_options
         if len(latent_shape) != 3 or latent_shape[1] != latent_shape[2]:
             raise ValueError(f"latent_shape must be (C, H, H) with square latents, got {latent_shape}")
         self.model: DiT = build_dit(
@@ -281,91 +276,17 @@ class DiTModule(L.LightningModule):
             if initial is not None and initial.ema is not None:
                 load_dit_weights(self.ema, self._init_weights(initial.ema), source=f"EMA weights of '{init_from}'")
         self._decoder_cache: dict[str, nn.Module] = {}  # a plain dict: keeps the VAE out of the state dict
-        self.repa_projector: Optional[Projector] = None
-        self._repa_hidden: Optional[dict[str, Tensor]] = None  # the aligned block's output, while a loss is computed
-        if self.repa is not None:
-            self.repa.check(len(self.model.blocks))
-            assert self.repa.feature_dim is not None
-            self.repa_projector = Projector(self.model.hidden_size, self.repa.projector_dim, self.repa.feature_dim)
-            # registered once (not per step), so compiled blocks keep their graph
-            self.model.blocks[self.repa.depth - 1].register_forward_hook(self._keep_repa_hidden)
-            self._check_repa_tokens()
-
-    # ---- REPA ------------------------------------------------------------------------------
-    def _probe_repa_encoder(self, options: REPAOptions, latent_shape: Sequence[int], vae: Optional[str]) -> REPAOptions:
-        """Load the frozen encoder once to read its feature width (recorded, so that checkpoints load
-        without it) and its token count, checked against the DiT's when the network exists."""
-        from .models.encoders import feature_shape, load_encoder
-
-        encoder = load_encoder(options)
-        self._repa_encoder["encoder"] = encoder
-        tokens, width = feature_shape(encoder, _image_shape(latent_shape, vae))
-        self._repa_tokens = tokens
-        return dataclasses.replace(options, feature_dim=width)
-
-    def _check_repa_tokens(self) -> None:
-        tokens = getattr(self, "_repa_tokens", None)
-        mine = (self.model.input_size // self.model.patch_size) ** 2
-        if tokens is not None and tokens != mine:
-            raise ValueError(
-                f"REPA: encoder {self.repa.encoder if self.repa else ''} gives {tokens} patch features per image and "
-                f"the DiT has {mine} tokens; they must match one to one: set model.repa.image_size so that the "
-                f"encoder's patch grid is {self.model.input_size // self.model.patch_size}x"
-                f"{self.model.input_size // self.model.patch_size} (DINOv2 at 224 px for 256 px images and patch 2)"
+        if self.repa is not None:  # registered here: checkpoints name its weights repa_projector.*
+            self.repa_projector = self.repa.attach(
+                self.model.hidden_size, len(self.model.blocks), (self.model.input_size // self.model.patch_size) ** 2
             )
 
     def on_fit_start(self) -> None:
-        self._check_repa_store()
-
-    def _check_repa_store(self) -> None:
-        """Features precomputed in the store must be this run's encoder's: the same encoder, weights
-        (by checksum), feature width and token count; else say what differs before the first step."""
+        # features precomputed in the store must be this run's encoder's: said before the first step
         data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         spec = getattr(data, "repa_spec", None)
-        if self.repa is None or not spec:
-            return
-        problems = []
-        if spec.get("dim") != self.repa.feature_dim:
-            problems.append(f"feature width {spec.get('dim')} (the encoder gives {self.repa.feature_dim})")
-        tokens = (self.model.input_size // self.model.patch_size) ** 2
-        if spec.get("tokens") != tokens:
-            problems.append(f"{spec.get('tokens')} tokens (the DiT has {tokens})")
-        if self.repa.weights and os.path.isfile(self.repa.weights) and spec.get("weights_sha256"):
-            if file_sha256(self.repa.weights) != spec["weights_sha256"]:
-                problems.append(f"weights {spec.get('weights')} (not the bytes of {self.repa.weights})")
-        elif os.path.basename(str(spec.get("encoder"))) != os.path.basename(str(self.repa.encoder)):
-            problems.append(f"encoder {spec.get('encoder')} (this run: {self.repa.encoder})")
-        if spec.get("image_size") != self.repa.image_size:
-            problems.append(f"image size {spec.get('image_size')} (this run: {self.repa.image_size})")
-        if problems:
-            raise ValueError(
-                "the store's REPA features were made with another encoder: " + "; ".join(problems) + ". Extract the "
-                "features of this run's encoder (dit-lightning extract --output STORE --repa_encoder ... "
-                "--repa_weights ...), or set data.repa_features false to compute them online"
-            )
-
-    def _keep_repa_hidden(self, _block: nn.Module, _args: Any, out: Tensor) -> None:
-        # the first output of the pass being measured; activation recomputation re-runs the block later
-        if self._repa_hidden is not None:
-            self._repa_hidden.setdefault("h", out)
-
-    def repa_encoder(self) -> nn.Module:
-        """The frozen encoder on this module's device (loaded on first use when a checkpoint recorded it)."""
-        if "encoder" not in self._repa_encoder:
-            from .models.encoders import load_encoder
-
-            assert self.repa is not None
-            self._repa_encoder["encoder"] = load_encoder(self.repa)
-        encoder = self._repa_encoder["encoder"]
-        return encoder.to(self.device)
-
-    def repa_features(self, batch: dict[str, Tensor]) -> Tensor:
-        """The encoder's patch features of the batch's clean images: precomputed by ``extract``
-        (``batch["repa"]``, the flip the batch holds) or computed now from the decoded latents."""
-        if "repa" in batch:
-            return batch["repa"]
-        with torch.no_grad():
-            return self.repa_encoder()(self.decode(batch["x"]))
+        if self.repa is not None and spec:
+            self.repa.check_store(spec, (self.model.input_size // self.model.patch_size) ** 2)
 
     def _init_weights(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
         """``init_from``'s weights for this network: an objective that drops unused outputs (flow) also
@@ -396,6 +317,15 @@ class DiTModule(L.LightningModule):
                 f"the checkpoint (--ckpt_path) was trained with {theirs.describe()}: {wrong}. Configure the run as the "
                 "checkpoint's (its run's config.yaml), or start a new run with --model.init_from for its weights"
             )
+        recorded_repa = hp.get("repa")
+        if self.repa is not None and isinstance(recorded_repa, dict) and recorded_repa.get("encoder"):
+            wrong = EncoderIdentity.from_record(recorded_repa).differences(self.repa.identity())
+            if wrong:  # each names this run's encoder, then "this one": the checkpoint's
+                raise ValueError(
+                    "the checkpoint (--ckpt_path) was trained against another REPA encoder: this run's "
+                    + "; ".join(wrong).replace("this one", "the checkpoint's")
+                    + ". Give the encoder and weights the run was trained with (model.repa.encoder / weights)"
+                )
         if "state_dict" not in checkpoint:  # sharded checkpoint: loaded (strictly) by the strategy
             return
         sd = checkpoint["state_dict"]
@@ -486,7 +416,7 @@ class DiTModule(L.LightningModule):
         """What the optimiser steps: the DiT's trainable weights (group 0, the reference checkpoint's
         optimiser state) and REPA's projector in a group of its own (dropped by exports)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.repa_projector is None:
+        if self.repa is None:
             return params
         return [{"params": params}, {"params": list(self.repa_projector.parameters())}]
 
@@ -577,18 +507,20 @@ class DiTModule(L.LightningModule):
     def training_losses(self, batch: dict[str, Tensor], step: int) -> dict[str, Tensor]:
         """The objective of one (micro-)batch at optimiser step ``step``: ``loss`` and the terms to log
         (subclasses change the objective here, e.g. distillation; the step around it stays)."""
-        if self.repa is None or self.repa_projector is None:
+        head = self.repa
+        if head is None:
             return self.diffusion_loss(self.model, batch, step, train=True)
-        features = self.repa_features(batch)
-        self._repa_hidden = {}
-        try:
-            terms = self.diffusion_loss(self.model, batch, step, train=True)
-            hidden = self._repa_hidden["h"]
-        finally:
-            self._repa_hidden = None
-        # REPA's loss.py: mean over the batch of each sample's mean negative cosine similarity
-        repa = alignment_loss(self.repa_projector(hidden), features.to(hidden.device)).mean()
-        return {**terms, "loss": terms["loss"] + self.repa.coeff * repa, "denoising": terms["loss"], "repa": repa}
+        features = head.features(batch, self.decode)
+        hidden: list[Tensor] = []
+
+        def network(x: Tensor, t: Tensor, **kwargs: Any) -> Tensor:
+            out, h = self.model(x, t, **kwargs, hidden_at=head.depth)  # the aligned block's tokens, as a value
+            hidden.append(h)
+            return out
+
+        terms = self.diffusion_loss(network, batch, step, train=True)
+        repa = head.loss(hidden[0], features)
+        return {**terms, "loss": terms["loss"] + head.coeff * repa, "denoising": terms["loss"], "repa": repa}
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Union[Tensor, dict[str, Tensor]]:
         """One (micro-)batch of the optimiser step: Lightning accumulates, reduces the gradients (DDP's
@@ -788,20 +720,6 @@ class DiTModule(L.LightningModule):
                 self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
             )
         return decode_latents(latents, vae, scale_factor)
-
-
-def _repa_options(repa: Union[None, REPAOptions, dict[str, Any]]) -> Optional[REPAOptions]:
-    """REPA's options (None: off); a checkpoint's record is a plain dict."""
-    if isinstance(repa, dict):
-        repa = REPAOptions(**repa)
-    return repa if repa is not None and repa.enabled else None
-
-
-def _image_shape(latent_shape: Sequence[int], vae: Optional[str]) -> tuple[int, int, int]:
-    """(C, H, W) of the images behind latents of ``latent_shape``: the latents themselves for pixel
-    stores, RGB at 8x the side for the SD VAEs."""
-    c, h, w = (int(v) for v in latent_shape)
-    return (c, h, w) if is_pixel_space(vae) else (3, 8 * h, 8 * w)
 
 
 @contextlib.contextmanager

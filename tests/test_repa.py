@@ -77,9 +77,11 @@ def test_the_loss_is_repa_loss_py_for_the_same_draws(encoder_file):
 def test_precomputed_features_are_used_and_the_projector_learns(encoder_file):
     module = repa_module(encoder_file)
     b = batch(4)
-    online = module.repa_features(b)
+    online = module.repa.features(b, module.decode)
     assert online.shape == (4, 16, 64)
-    torch.testing.assert_close(module.repa_features({**b, "repa": online * 2}), online * 2)  # the store's, as given
+    torch.testing.assert_close(
+        module.repa.features({**b, "repa": online * 2}, module.decode), online * 2
+    )  # the store's, as given
     loss = module.training_losses({**b, "repa": online}, step=0)["loss"]
     loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.repa_projector.parameters())
@@ -114,7 +116,7 @@ def test_repa_fit_resumes_bit_exact_and_exports_hold_the_network_alone(encoder_f
 
     (tmp_path / "encoder.pt").unlink()  # sampling a REPA checkpoint needs no encoder
     again = DiTModule.load_from_checkpoint(tmp_path / "step=4.ckpt")
-    assert again.repa.feature_dim == 64 and "encoder" not in again._repa_encoder
+    assert again.repa.options.feature_dim == 64 and "encoder" not in again.repa._frozen
     assert again.sample([1], num_steps=3, seed=0).shape == (1, 1, 8, 8)
 
 
@@ -205,13 +207,13 @@ def test_features_from_the_store_are_the_online_ones_and_another_encoders_are_re
     module = repa_module(encoder_file, latent_shape=dm.latent_shape)
     dm.setup("fit")
     b = next(iter(dm.train_dataloader()))
-    precomputed = module.repa_features(b)
-    online = module.repa_features({k: v for k, v in b.items() if k != "repa"})
+    precomputed = module.repa.features(b, module.decode)
+    online = module.repa.features({k: v for k, v in b.items() if k != "repa"}, module.decode)
     torch.testing.assert_close(precomputed, online, rtol=2e-3, atol=2e-3)  # stored in float16
     trainer(max_steps=1, limit_val_batches=0).fit(module, dm)  # the store's features, this run's encoder
 
     other = tmp_path / "other.pt"
     torch.save(DigitsEncoder().state_dict(), other)
     wrong = repa_module(str(other), latent_shape=dm.latent_shape)
-    with pytest.raises(ValueError, match="made with another encoder: weights"):
+    with pytest.raises(ValueError, match="made with another encoder: weights sha256"):
         trainer(max_steps=1, limit_val_batches=0).fit(wrong, dm)

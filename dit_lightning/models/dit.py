@@ -388,18 +388,39 @@ class DiT(nn.Module):
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(x.shape[0], c, h * p, w * p)
 
-    def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
-        """x: (N, C, H, W) latents, t: (N,) timesteps, y: (N,) labels (``num_classes`` = null)."""
+    @overload
+    def forward(
+        self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None, hidden_at: None = None
+    ) -> Tensor: ...
+    @overload
+    def forward(
+        self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None, *, hidden_at: int
+    ) -> tuple[Tensor, Tensor]: ...
+    def forward(
+        self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None, hidden_at: Optional[int] = None
+    ) -> Union[Tensor, tuple[Tensor, Tensor]]:
+        """x: (N, C, H, W) latents, t: (N,) timesteps, y: (N,) labels (``num_classes`` = null).
+
+        ``hidden_at=k``: also return the hidden tokens (N, T, hidden) after block k (1-based; REPA's
+        alignment depth), as ``(output, hidden)``."""
         x = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
         recompute = self.checkpoint_blocks if (self.training and torch.is_grad_enabled()) else ()
+        hidden: Optional[Tensor] = None
         for i, block in enumerate(self.blocks):
             if i in recompute:
                 # Non-reentrant: works with DDP, torch.compile and inputs that need no grad.
                 x = checkpoint(block, x, c, use_reentrant=False)
             else:
                 x = block(x, c)
-        return self.unpatchify(self.final_layer(x, c))
+            if i + 1 == hidden_at:
+                hidden = x
+        out = self.unpatchify(self.final_layer(x, c))
+        if hidden_at is None:
+            return out
+        if hidden is None:
+            raise ValueError(f"hidden_at={hidden_at}: the DiT has blocks 1..{len(self.blocks)}")
+        return out, hidden
 
     def forward_with_cfg(
         self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float, guide_channels: Optional[int] = None

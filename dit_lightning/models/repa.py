@@ -38,6 +38,8 @@ class REPAOptions:
             resize of 256 px images).
         feature_dim: the width of the encoder's features; unset: read from the encoder (checkpoints
             record it, so that they load, sample and resume without the encoder).
+        weights_sha256: the sha256 of the encoder's weights (of a directory's files); unset: hashed
+            from ``weights`` (checkpoints record it: a resumed run with other weights is refused).
     """
 
     encoder: Optional[str] = None
@@ -47,6 +49,7 @@ class REPAOptions:
     projector_dim: int = 2048
     image_size: Optional[int] = None
     feature_dim: Optional[int] = None
+    weights_sha256: Optional[str] = None
 
     @property
     def enabled(self) -> bool:

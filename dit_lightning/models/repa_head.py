@@ -1,0 +1,194 @@
+"""REPA as one head beside the DiT: its options, the projector, the alignment term, the frozen encoder
+(kept out of the module tree) and the one rule that says whether features are this encoder's, which
+serves a training run (features computed online, or read from a store) and ``extract`` alike.
+
+The DiT hands the head the hidden state of the aligned block as a value
+(``DiT.forward(..., hidden_at=depth)``): no hook, no state between calls.
+
+Plain PyTorch: the encoders are loaded from local files by :mod:`.encoders`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..hashing import file_sha256, tree_sha256
+from .encoders import FrozenEncoder, feature_shape, load_encoder
+from .repa import Projector, REPAOptions, alignment_loss
+
+
+@dataclass(frozen=True)
+class EncoderIdentity:
+    """What makes two encoders' features interchangeable: the encoder (a class path or timm name as
+    given; any ``save_pretrained`` directory, which its files' hash identifies wherever it lies), the
+    sha256 of its weights (the file's bytes, or every file of a directory) and the input image side."""
+
+    encoder: str
+    weights_sha256: Optional[str]
+    image_size: Optional[int]
+
+    @classmethod
+    def of(cls, options: REPAOptions) -> EncoderIdentity:
+        """The identity of the encoder ``options`` name, its weights hashed now (None: no weights)."""
+        name = str(options.encoder)
+        if os.path.isdir(name):
+            return cls(os.path.abspath(name), tree_sha256(name), options.image_size)
+        sha = file_sha256(options.weights) if options.weights and os.path.isfile(options.weights) else None
+        return cls(name, sha, options.image_size)
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> EncoderIdentity:
+        size = record.get("image_size")
+        sha = record.get("weights_sha256")
+        return cls(str(record.get("encoder")), None if sha is None else str(sha), None if size is None else int(size))
+
+    def record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def _name_key(self) -> str:
+        # a directory is identified by its files' hash: a copy elsewhere is the same encoder
+        return "<save_pretrained directory>" if os.path.isabs(self.encoder) else self.encoder
+
+    def differences(self, other: EncoderIdentity) -> list[str]:
+        """What differs, in words (empty: the same encoder); weights unknown on either side are not
+        compared."""
+        out = []
+        if self._name_key() != other._name_key():
+            out.append(f"encoder {other.encoder} (this one: {self.encoder})")
+        if self.weights_sha256 and other.weights_sha256 and self.weights_sha256 != other.weights_sha256:
+            out.append(f"weights sha256 {other.weights_sha256[:12]}... (this one: {self.weights_sha256[:12]}...)")
+        if self.image_size != other.image_size:
+            out.append(f"image size {other.image_size} (this one: {self.image_size})")
+        return out
+
+
+def image_shape_of(latent_shape: Any, pixels: bool) -> tuple[int, int, int]:
+    """(C, H, W) of the images behind latents of ``latent_shape``: the latents themselves for pixel
+    stores, RGB at 8x the side for the SD VAEs."""
+    c, h, w = (int(v) for v in latent_shape)
+    return (c, h, w) if pixels else (3, 8 * h, 8 * w)
+
+
+class REPAHead:
+    """REPA for one DiT: built from its options (the encoder is loaded once, to read its feature width
+    and token count, when the options do not record them), then :meth:`attach`'d to the network, which
+    creates the projector (the module registers it as ``repa_projector``: checkpoints keep that name).
+
+    ``trusted``: whether ``options.encoder`` was given by the user, or read from a file (a checkpoint's
+    record): a class path read from a file is imported only when the encoders' allowlist allows it.
+    """
+
+    def __init__(self, options: REPAOptions, image_shape: tuple[int, int, int], trusted: bool = True) -> None:
+        self.trusted = trusted
+        self._frozen: dict[str, FrozenEncoder] = {}  # a plain dict: the encoder stays out of every state dict
+        self.tokens: Optional[int] = None
+        if options.feature_dim is None:
+            encoder = self._load(options)
+            self.tokens, width = feature_shape(encoder, image_shape)
+            options = dataclasses.replace(options, feature_dim=width)
+        if options.weights_sha256 is None:
+            options = dataclasses.replace(options, weights_sha256=EncoderIdentity.of(options).weights_sha256)
+        self.options = options
+        self.projector: Optional[Projector] = None
+
+    def _load(self, options: REPAOptions) -> FrozenEncoder:
+        encoder = load_encoder(options)
+        self._frozen["encoder"] = encoder
+        return encoder
+
+    @property
+    def depth(self) -> int:
+        return self.options.depth
+
+    @property
+    def coeff(self) -> float:
+        return self.options.coeff
+
+    def attach(self, hidden_size: int, num_blocks: int, tokens: int) -> Projector:
+        """Check the options against the network (its blocks and tokens) and create the projector."""
+        self.options.check(num_blocks)
+        if self.tokens is not None and self.tokens != tokens:
+            side = int(round(tokens**0.5))
+            raise ValueError(
+                f"REPA: encoder {self.options.encoder} gives {self.tokens} patch features per image and the DiT has "
+                f"{tokens} tokens; they must match one to one: set model.repa.image_size so that the encoder's patch "
+                f"grid is {side}x{side} (DINOv2 at 224 px for 256 px images and patch 2)"
+            )
+        assert self.options.feature_dim is not None
+        self.projector = Projector(hidden_size, self.options.projector_dim, self.options.feature_dim)
+        return self.projector
+
+    def identity(self) -> EncoderIdentity:
+        """This run's encoder, with the weights' hash it recorded."""
+        name = str(self.options.encoder)
+        name = os.path.abspath(name) if os.path.isdir(name) else name
+        return EncoderIdentity(name, self.options.weights_sha256, self.options.image_size)
+
+    def record(self) -> dict[str, Any]:
+        """The options as a checkpoint records them (feature width and weights' hash included)."""
+        return dataclasses.asdict(self.options)
+
+    # ---- the encoder ---------------------------------------------------------------------------
+    def encoder(self, device: Optional[torch.device] = None) -> FrozenEncoder:
+        """The frozen encoder (loaded on first use, checked against the weights the run recorded)."""
+        if "encoder" not in self._frozen:
+            now = EncoderIdentity.of(self.options)
+            wrong = now.differences(self.identity())
+            if wrong:
+                raise ValueError(
+                    f"model.repa.weights {self.options.weights} is not the encoder this run recorded: "
+                    + "; ".join(wrong)
+                    + ". Point model.repa.weights at the weights the run was trained with"
+                )
+            self._load(self.options)
+        encoder = self._frozen["encoder"]
+        return encoder.to(device) if device is not None else encoder
+
+    def features(self, batch: Mapping[str, Tensor], decode: Any) -> Tensor:
+        """The encoder's patch features of the batch's clean images: precomputed by ``extract``
+        (``batch["repa"]``, the flip the batch holds) or computed now from ``decode(batch["x"])``."""
+        if "repa" in batch:
+            return batch["repa"]
+        with torch.no_grad():
+            images = decode(batch["x"])
+            return self.encoder(images.device)(images)
+
+    def check_store(self, spec: Mapping[str, Any], tokens: int) -> None:
+        """Features precomputed in a store (its record ``spec``) must be this run's encoder's: the same
+        encoder, weights and image size (:class:`EncoderIdentity`), width and token count."""
+        problems = EncoderIdentity.from_record(spec).differences(self.identity())
+        if spec.get("dim") != self.options.feature_dim:
+            problems.append(f"feature width {spec.get('dim')} (the encoder gives {self.options.feature_dim})")
+        if spec.get("tokens") != tokens:
+            problems.append(f"{spec.get('tokens')} tokens (the DiT has {tokens})")
+        if problems:
+            raise ValueError(
+                "the store's REPA features were made with another encoder: " + "; ".join(problems) + ". Extract the "
+                "features of this run's encoder (dit-lightning extract --output STORE --repa_encoder ... "
+                "--repa_weights ...), or set data.repa_features false to compute them online"
+            )
+
+    # ---- the alignment term ------------------------------------------------------------------------
+    def loss(self, hidden: Tensor, features: Tensor) -> Tensor:
+        """REPA's ``loss.py``: the mean over the batch of each sample's mean negative cosine similarity
+        between the projected hidden tokens and the encoder's patch features."""
+        assert self.projector is not None, "attach() the head to the network first"
+        return alignment_loss(self.projector(hidden), features.to(hidden.device)).mean()
+
+
+def repa_head(
+    repa: Optional[REPAOptions | Mapping[str, Any]], image_shape: tuple[int, int, int], trusted: bool = True
+) -> Optional[REPAHead]:
+    """The head of REPA's options (a checkpoint's record is a plain dict), or None when REPA is off."""
+    if isinstance(repa, Mapping):
+        repa = REPAOptions(**repa)
+    if repa is None or not repa.enabled:
+        return None
+    return REPAHead(repa, image_shape, trusted=trusted)
