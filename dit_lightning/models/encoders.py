@@ -319,7 +319,7 @@ def _transformers_encoder(path: str, image_size: Optional[int]) -> FrozenEncoder
         raise ImportError(f"{OPTION} {path}: a save_pretrained directory needs transformers") from e
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        model_class = AutoModel._model_mapping[type(config)]
+        model_class: Any = AutoModel._model_mapping[type(config)]  # its own class for the config: no code
     except (KeyError, ValueError, OSError) as e:
         raise ValueError(
             f"{OPTION} {path}: transformers does not build this directory's model ({type(e).__name__}: "

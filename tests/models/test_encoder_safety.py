@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -153,7 +154,7 @@ def test_a_pickled_weights_file_in_a_directory_is_refused_without_running_it(tmp
 
 
 @pytest.fixture
-def marker_module(tmp_path, marker, monkeypatch) -> str:
+def marker_module(tmp_path, marker, monkeypatch) -> Iterator[str]:
     """A module on sys.path whose import creates the marker; it defines ``Zen``, an encoder class."""
     name = "repa_marker_module_x"
     (tmp_path / f"{name}.py").write_text(
