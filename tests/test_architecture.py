@@ -212,15 +212,14 @@ def test_the_checker_sees_a_wrong_import(tmp_path):
     ]
 
 
-def test_checkpoint_files_are_read_only_in_checkpoints_and_the_three_weights_files():
-    """``torch.load`` is called by ``checkpoints/`` (every checkpoint, training ones through
-    ``read_training_state``) and, outside it, once each for the InceptionV3 weights, the VAE's and a
-    REPA encoder's (``models/`` may not import ``checkpoints/``; all three with ``weights_only=True``)."""
+def test_weights_files_are_read_only_by_safe_read_and_the_two_library_weights_files():
+    """``torch.load`` is called once by ``safe_read`` (the foundation's reader of foreign files:
+    every checkpoint, through ``checkpoints/safe_load.py``, and REPA encoder weights, which
+    ``models/`` may read without importing ``checkpoints/``) and, outside it, once each for the
+    InceptionV3 weights and the VAE's (both with ``weights_only=True``)."""
     calls = []
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
                 calls.append(name)
-    outside = sorted(c for c in calls if not c.startswith("dit_lightning.checkpoints"))
-    assert outside == ["dit_lightning.evaluation.fid", "dit_lightning.models.encoders", "dit_lightning.vae"], outside
-    assert calls.count("dit_lightning.checkpoints.safe_load") == len(calls) - 3, calls  # its one `load_file`
+    assert sorted(calls) == ["dit_lightning.evaluation.fid", "dit_lightning.safe_read", "dit_lightning.vae"], calls

@@ -44,7 +44,7 @@ from .formats import (
     read_checkpoint,
     strip_prefix,
 )
-from .safe_load import UnsafeCheckpointError
+from .safe_load import UnsafeCheckpointError, UnsafeFileError
 from .sharded import is_sharded_checkpoint, load_sharded_checkpoint, optimizer_by_index
 from .training import NotATrainingCheckpointError, TrainingState, read_training_state
 
@@ -59,6 +59,7 @@ __all__ = [
     "StateDict",
     "TrainingState",
     "UnsafeCheckpointError",
+    "UnsafeFileError",
     "Weights",
     "check_dit_weights",
     "check_finite",

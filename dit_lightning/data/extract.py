@@ -39,6 +39,7 @@ from .rng import NoiseKernel, to_float32
 
 if TYPE_CHECKING:
     from ..models.encoders import FrozenEncoder
+    from ..models.repa import REPAOptions
 
 # Test hook: "k" makes the process exit right after committing k shards, "k+" makes it die
 # inside the next shard, after its data file and before its commit record.
@@ -139,7 +140,7 @@ class _Repa:
         if self._encoder is None:
             from ..models.encoders import load_encoder
 
-            self._encoder = load_encoder(self.options)
+            self._encoder = load_encoder(self.options, trusted=True)  # the command line's encoder
         if not self._placed:
             self._encoder, self._placed = self._encoder.to(self.dev), True
         return self._encoder
@@ -155,19 +156,35 @@ class _Repa:
         return z.reshape(n, f, *want).to(torch.float16).cpu().numpy()
 
 
-def _hash_weights(encoder: str, weights: Optional[str]) -> tuple[Optional[str], str]:
-    """(file name, sha256) identifying the encoder's weights: of the weights file, or of every file
-    of a ``save_pretrained`` directory (names and bytes)."""
-    if os.path.isdir(encoder):
-        return None, st.tree_sha256(encoder)
-    if not weights:
+def encoder_weights_sha256(options: Optional[REPAOptions]) -> Optional[str]:
+    """The sha256 identifying a REPA encoder's weights: of its weights file, or of every file of a
+    ``save_pretrained`` directory (names and bytes); None without an encoder or a weights file. A
+    run records it, so that a resumed run or a store's features can be checked against it."""
+    if options is None or not options.encoder:
+        return None
+    if os.path.isdir(options.encoder):
+        return st.tree_sha256(options.encoder)
+    if not options.weights:
+        return None
+    if not os.path.isfile(options.weights):
+        raise FileNotFoundError(f"REPA encoder weights '{options.weights}' does not exist")
+    return st.file_sha256(options.weights)
+
+
+def _hash_weights(options: REPAOptions) -> tuple[Optional[str], str]:
+    """(file name, sha256) identifying the encoder's weights for the store's record ("" for a class
+    that needs none); an encoder that needs a weights file and has none is refused."""
+    from ..models.encoders import needs_weights
+
+    if not options.weights and needs_weights(options.encoder or "", trusted=True):  # typed by the user
         raise ValueError(
-            f"--repa_encoder {encoder} needs --repa_weights, its local weights file: features of an encoder "
+            f"--repa_encoder {options.encoder} needs --repa_weights, its local weights file: features of an encoder "
             "without trained weights would be random (and differ at every run)"
         )
-    if not os.path.isfile(weights):
-        raise FileNotFoundError(f"--repa_weights {weights} is not a file")
-    return os.path.basename(weights), st.file_sha256(weights)
+    sha = encoder_weights_sha256(options) or ""
+    if os.path.isdir(options.encoder or "") or not options.weights:
+        return None, sha  # a directory's files are hashed together; a class that needs none has none
+    return os.path.basename(options.weights), sha
 
 
 def _repa_options(encoder: Optional[str], weights: Optional[str], image_size: Optional[int]) -> Any:
@@ -197,7 +214,7 @@ def _setup_repa(output: str, spec: st.StoreSpec, options: Any, dev: torch.device
 
     A store's features all come from one encoder: other settings are refused before any work. The
     encoder is loaded here only for a store without features (to read its tokens and width)."""
-    name, sha = _hash_weights(options.encoder, options.weights)
+    name, sha = _hash_weights(options)
     identity = {"encoder": options.encoder, "weights_sha256": sha, "image_size": options.image_size}
     old = st.load_repa_plan(output)
     if old is not None:
@@ -205,7 +222,7 @@ def _setup_repa(output: str, spec: st.StoreSpec, options: Any, dev: torch.device
         return _Repa(old, options, dev, None)
     from ..models.encoders import feature_shape, load_encoder
 
-    encoder = load_encoder(options)
+    encoder = load_encoder(options, trusted=True)  # --repa_encoder: the user's choice (a store's is only compared)
     tokens, dim = feature_shape(encoder, _image_shape(spec))
     rspec = st.RepaSpec(
         encoder=options.encoder,
