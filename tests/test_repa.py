@@ -100,6 +100,12 @@ def test_repa_fit_resumes_bit_exact_and_exports_hold_the_network_alone(encoder_f
     )
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name  # the network, its EMA and the projector
+    other = tmp_path / "other-encoder.pt"
+    torch.save(DigitsEncoder(width=64).state_dict(), other)  # same architecture, other weights
+    with pytest.raises(ValueError, match="trained against another REPA encoder: this run's weights sha256"):
+        trainer(max_steps=4, default_root_dir=tmp_path, limit_val_batches=0).fit(
+            repa_module(str(other)), data, ckpt_path=tmp_path / "step=2.ckpt"
+        )
     ckpt = torch.load(tmp_path / "step=4.ckpt", weights_only=True)
     assert any(k.startswith("repa_projector.") for k in ckpt["state_dict"])
     assert ckpt["hyper_parameters"]["repa"]["feature_dim"] == 64  # recorded: loads without the encoder
@@ -217,3 +223,19 @@ def test_features_from_the_store_are_the_online_ones_and_another_encoders_are_re
     wrong = repa_module(str(other), latent_shape=dm.latent_shape)
     with pytest.raises(ValueError, match="made with another encoder: weights sha256"):
         trainer(max_steps=1, limit_val_batches=0).fit(wrong, dm)
+
+
+def test_an_encoder_class_named_by_a_checkpoint_is_not_imported(tmp_path, monkeypatch):
+    """A class path read from a checkpoint's record (its options record the feature width) is resolved
+    against the allowlist before anything is imported: a module that would run code is never imported."""
+    from dit_lightning.models.repa_head import repa_head
+
+    marker = tmp_path / "ran"
+    (tmp_path / "evil_encoder.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Enc: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    record = dict(encoder="evil_encoder.Enc", depth=1, projector_dim=8, feature_dim=8)
+    head = repa_head(record, (1, 8, 8))
+    assert head is not None and not head.trusted
+    with pytest.raises(Exception, match="evil_encoder"):
+        head.encoder()
+    assert not marker.exists()

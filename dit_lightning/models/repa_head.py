@@ -99,7 +99,7 @@ class REPAHead:
         self.projector: Optional[Projector] = None
 
     def _load(self, options: REPAOptions) -> FrozenEncoder:
-        encoder = load_encoder(options)
+        encoder = load_encoder(options, trusted=self.trusted)
         self._frozen["encoder"] = encoder
         return encoder
 
@@ -186,9 +186,12 @@ class REPAHead:
 def repa_head(
     repa: Optional[REPAOptions | Mapping[str, Any]], image_shape: tuple[int, int, int], trusted: bool = True
 ) -> Optional[REPAHead]:
-    """The head of REPA's options (a checkpoint's record is a plain dict), or None when REPA is off."""
+    """The head of REPA's options (a checkpoint's record is a plain dict), or None when REPA is off.
+
+    Options that record the encoder's feature width come from a checkpoint's record (a user leaves it
+    unset): their class path is not ``trusted`` (resolved against the encoders' allowlist)."""
     if isinstance(repa, Mapping):
         repa = REPAOptions(**repa)
     if repa is None or not repa.enabled:
         return None
-    return REPAHead(repa, image_shape, trusted=trusted)
+    return REPAHead(repa, image_shape, trusted=trusted and repa.feature_dim is None)
