@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info
 from torch import Tensor, nn
 
@@ -41,16 +39,16 @@ from .diffusion import (
     objective_from_record,
 )
 from .diffusion.gaussian_diffusion import ModelFn
-from .distributed.ops import clip_gradients, ema_update_, grad_norm
+from .distributed.ops import clip_gradients, ema_update_, first_failed_rank, grad_norm, no_sync
 from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec
 from .models.repa import REPAOptions
 from .models.repa_head import EncoderIdentity, REPAHead, image_shape_of, repa_head
-from .precision import compute_dtype, grad_scaler, is_fp16, pending_grad_scale, set_tf32
+from .optimizers import configure_training_optimizers, use_fused_adamw
+from .precision import compute_dtype, grad_scaler, pending_grad_scale, set_tf32
 from .sampling import DIFFUSERS_SAMPLERS, Sampler, SamplingOptions, sample_latents, sampling_options
-from .schedules import WarmupDecayLR
 from .vae import DEFAULT_SCALE_FACTOR, decode_latents, is_pixel_space, load_vae
 
 if TYPE_CHECKING:
@@ -67,18 +65,6 @@ _VAL_STEP_KEY = -1
 _STREAM_T, _STREAM_NOISE, _STREAM_DROP = 1, 2, 3
 # The weight sets of a Lightning checkpoint: (state-dict prefix, what a message calls them).
 _WEIGHT_SETS = (("ema.", "EMA weights"), ("model.", "trained weights"))
-
-
-def _factory_class(factory: Any) -> Any:
-    """The class an optimiser / scheduler factory builds: the class itself, a ``functools.partial``
-    of it, or jsonargparse's partial (which passes the class as a positional argument)."""
-    if isinstance(factory, type):
-        return factory
-    if isinstance(factory, functools.partial):
-        if isinstance(factory.func, type):
-            return factory.func
-        return next((a for a in factory.args if isinstance(a, type)), None)
-    return None
 
 
 class DiTModule(L.LightningModule):
@@ -204,14 +190,10 @@ class DiTModule(L.LightningModule):
         super().__init__()
         # A plain list, not a tuple, so that hparams.yaml reads back with yaml.safe_load.
         latent_shape = list(latent_shape) if latent_shape is not None else [4, 32, 32]
+        given = locals()  # the objective's settings are these arguments of the same names
         self.objective: TrainingObjective = build_objective(
-            ObjectiveSettings(
-                objective=objective, noise_schedule=noise_schedule, diffusion_steps=diffusion_steps,
-                learn_sigma=learn_sigma, path_type=path_type, prediction=prediction,
-                time_distribution=time_distribution, time_mean=time_mean, time_std=time_std, train_eps=train_eps,
-                sample_eps=sample_eps, loss_weighting=loss_weighting, min_snr_gamma=min_snr_gamma,
-            )
-        )  # fmt: skip
+            ObjectiveSettings(**{name: given[name] for name in ObjectiveSettings.names()})
+        )
         # before save_hyperparameters, so that the record says what runs
         if learn_sigma != self.objective.learns_variance:
             rank_zero_info(f"{self.objective.describe()}: model.learn_sigma {self.objective.learns_variance}")
@@ -221,10 +203,10 @@ class DiTModule(L.LightningModule):
             rank_zero_info(f"{self.objective.describe()}: default sampler {chosen} (model.sampler)")
             sampler = chosen  # type: ignore[assignment]  # one of the objective's samplers
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
-        # Under LightningCLI save_hyperparameters records the parsed config, not these locals: the record
-        # must say what runs (a flow model's sampler and variance), so set what the objective changed.
         # REPA's head reads its encoder's feature width (and hashes its weights) for the record
         self.repa: Optional[REPAHead] = repa_head(repa, image_shape_of(latent_shape, is_pixel_space(vae)))
+        # Under LightningCLI save_hyperparameters records the parsed config, not these locals: the record
+        # must say what runs (a flow model's sampler and variance), so set what the objective changed.
         records: tuple[Any, ...] = (self.hparams, self._hparams_initial)
         for record in records:  # the checkpoint's and the logger's (hparams.yaml)
             record.update(
@@ -391,26 +373,7 @@ class DiTModule(L.LightningModule):
             self.model._compiled = True
 
     def _use_fused(self) -> bool:
-        choice = self.hparams.fused_optimizer
-        on_cuda = self.device.type == "cuda"
-        if choice is False or not on_cuda:
-            return False
-        trainer = self._trainer
-        clip = trainer is not None and trainer.gradient_clip_val not in (None, 0)
-        fp16 = trainer is not None and is_fp16(trainer.precision)
-        if clip and fp16:
-            # Lightning refuses to clip gradients for optimisers that unscale internally
-            # (fused AdamW under GradScaler): keep clipping, use the foreach kernel.
-            if choice is True:
-                log.warning("fused AdamW cannot be combined with gradient clipping under 16-mixed: using foreach AdamW")
-            return False
-        if fp16 and trainer is not None and isinstance(trainer.strategy, FSDPStrategy):
-            # FSDP1's ShardedGradScaler agrees on inf/NaN across ranks only in unscale_(), which Lightning
-            # skips for optimisers that unscale inside their step: each rank would skip steps on its own.
-            if choice is True:
-                log.warning("fused AdamW under FSDP1 with 16-mixed would skip steps per rank: using foreach AdamW")
-            return False
-        return True
+        return use_fused_adamw(self.hparams.fused_optimizer, self.device, self._trainer)
 
     def trained_parameters(self) -> list[Any]:
         """What the optimiser steps: the DiT's trainable weights (group 0, the reference checkpoint's
@@ -421,50 +384,14 @@ class DiTModule(L.LightningModule):
         return [{"params": params}, {"params": list(self.repa_projector.parameters())}]
 
     def configure_optimizers(self) -> Any:
-        params = self.trained_parameters()
-        if self.optimizer_factory is not None:
-            factory: Any = self.optimizer_factory  # OptimizerCallable: calling it with fused= is a partial's override
-            keywords = getattr(factory, "keywords", {})
-            if (
-                _factory_class(factory) is torch.optim.AdamW
-                and keywords.get("fused") is None
-                and keywords.get("foreach") is None
-                and self._use_fused()
-            ):
-                optimizer = factory(params, fused=True)  # fused AdamW where the user left it unset
-            else:
-                optimizer = factory(params)
-        else:
-            fused = self._use_fused()
-            optimizer = torch.optim.AdamW(
-                params,
-                lr=1e-4,
-                betas=(0.9, 0.999),
-                weight_decay=0.0,
-                fused=fused or None,
-                foreach=None if fused else True,
-            )
-        if self.lr_scheduler_factory is not None:
-            scheduler = self._build_scheduler(self.lr_scheduler_factory, optimizer)
-        elif self.hparams.warmup_steps > 0:
-            scheduler = WarmupDecayLR(optimizer, warmup_steps=self.hparams.warmup_steps)
-        else:
-            return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def _build_scheduler(self, factory: Any, optimizer: torch.optim.Optimizer) -> Any:
-        keywords = getattr(factory, "keywords", {})
-        if _factory_class(factory) is WarmupDecayLR:
-            if self.hparams.warmup_steps > 0 and not keywords.get("warmup_steps"):
-                factory = functools.partial(factory, warmup_steps=self.hparams.warmup_steps)
-            if keywords.get("decay", "none") != "none" and keywords.get("decay_steps") is None:
-                # the decay ends with the run: its total optimiser steps
-                # (read before int(): an endless run estimates inf, and int(inf) would raise OverflowError)
-                total = self.trainer.estimated_stepping_batches if self._trainer is not None else None
-                if not total or total == float("inf") or total <= 0:
-                    raise ValueError("lr_scheduler decay needs decay_steps, or trainer.max_steps to take it from")
-                factory = functools.partial(factory, decay_steps=int(total))
-        return factory(optimizer)
+        return configure_training_optimizers(
+            self.trained_parameters(),
+            self.optimizer_factory,
+            self.lr_scheduler_factory,
+            fused=self._use_fused,
+            warmup_steps=self.hparams.warmup_steps,
+            trainer=self._trainer,
+        )
 
     # ---- the training objective -----------------------------------------------------------
     def _attention_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -566,7 +493,7 @@ class DiTModule(L.LightningModule):
             for j in range(parts):
                 part = {k: v[j * micro : (j + 1) * micro] for k, v in batch.items()}
                 try:
-                    with _no_sync(strategy):
+                    with no_sync(strategy):
                         terms = self.training_losses(part, step)
                         strategy.backward(terms["loss"] / parts, optimizer.optimizer)  # the precision plugin scales it
                     for k, v in terms.items():
@@ -580,7 +507,7 @@ class DiTModule(L.LightningModule):
                     break
                 finally:
                     part = {}
-            failed = _first_failed_rank(trainer, failure is not None)
+            failed = first_failed_rank(trainer, failure is not None)
             if failed < 0:
                 self._step_accumulated = True
                 return {k: v / parts for k, v in sums.items()}
@@ -720,23 +647,3 @@ class DiTModule(L.LightningModule):
                 self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
             )
         return decode_latents(latents, vae, scale_factor)
-
-
-@contextlib.contextmanager
-def _no_sync(strategy: Any) -> Iterator[None]:
-    """Keep gradients local for a pass (DDP's ``no_sync``); a no-op for one device."""
-    if strategy.world_size > 1 and hasattr(strategy, "block_backward_sync"):
-        with strategy.block_backward_sync():
-            yield
-    else:
-        yield
-
-
-def _first_failed_rank(trainer: Any, failed: bool) -> int:
-    """The lowest rank whose attempt failed (-1: none), known to every rank: one collective, and only
-    with several ranks (one device knows its own out-of-memory error without asking)."""
-    if trainer.world_size <= 1:
-        return 0 if failed else -1
-    mine = float(trainer.world_size - trainer.global_rank if failed else 0)  # max picks the lowest failed rank
-    top = float(trainer.strategy.reduce(torch.tensor(mine, device=trainer.strategy.root_device), reduce_op="max"))
-    return int(trainer.world_size - top) if top > 0 else -1

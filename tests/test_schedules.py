@@ -47,15 +47,11 @@ def test_a_decay_without_an_end_says_so_instead_of_overflowing():
     import functools
     from types import SimpleNamespace
 
-    from dit_lightning.module import DiTModule
+    from dit_lightning.optimizers import build_scheduler
 
-    module = DiTModule("custom", latent_shape=(1, 4, 4), num_classes=2, depth=1, hidden_size=8, num_heads=1,
-                       patch_size=2)  # fmt: skip
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     factory = functools.partial(WarmupDecayLR, decay="cosine")
     for total in (float("inf"), -1):
-        module._trainer = SimpleNamespace(estimated_stepping_batches=total)
         with pytest.raises(ValueError, match="decay_steps, or trainer.max_steps"):
-            module._build_scheduler(factory, opt)
-    module._trainer = SimpleNamespace(estimated_stepping_batches=40)
-    assert module._build_scheduler(factory, opt).decay_steps == 40
+            build_scheduler(factory, opt, 0, SimpleNamespace(estimated_stepping_batches=total))
+    assert build_scheduler(factory, opt, 0, SimpleNamespace(estimated_stepping_batches=40)).decay_steps == 40

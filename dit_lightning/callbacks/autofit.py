@@ -138,9 +138,9 @@ def build_problem(
     optimizer = "adamw"
     factory = getattr(module, "optimizer_factory", None)
     if factory is not None:
-        from ..module import _factory_class
+        from ..optimizers import factory_class
 
-        if _factory_class(factory) is torch.optim.SGD:
+        if factory_class(factory) is torch.optim.SGD:
             optimizer = "sgd"
     return FitProblem(
         shape=dict(

@@ -3,7 +3,8 @@ shards, the global gradient norm, clipping by norm, and gathering full weights."
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
@@ -160,3 +161,23 @@ def gather_dit(net: nn.Module) -> DiT:
     plain = DiT(**cfg)
     plain.load_state_dict(sd, strict=True)
     return plain.eval()
+
+
+@contextlib.contextmanager
+def no_sync(strategy: Any) -> Iterator[None]:
+    """Keep gradients local for a pass (DDP's ``no_sync``); a no-op for one device."""
+    if strategy.world_size > 1 and hasattr(strategy, "block_backward_sync"):
+        with strategy.block_backward_sync():
+            yield
+    else:
+        yield
+
+
+def first_failed_rank(trainer: Any, failed: bool) -> int:
+    """The lowest rank whose attempt failed (-1: none), known to every rank: one collective, and only
+    with several ranks (one device knows its own out-of-memory error without asking)."""
+    if trainer.world_size <= 1:
+        return 0 if failed else -1
+    mine = float(trainer.world_size - trainer.global_rank if failed else 0)  # max picks the lowest failed rank
+    top = float(trainer.strategy.reduce(torch.tensor(mine, device=trainer.strategy.root_device), reduce_op="max"))
+    return int(trainer.world_size - top) if top > 0 else -1
