@@ -301,11 +301,11 @@ class DiTModule(L.LightningModule):
             )
         recorded_repa = hp.get("repa")
         if self.repa is not None and isinstance(recorded_repa, dict) and recorded_repa.get("encoder"):
-            wrong = EncoderIdentity.from_record(recorded_repa).differences(self.repa.identity())
-            if wrong:  # each names this run's encoder, then "this one": the checkpoint's
+            changed = EncoderIdentity.from_record(recorded_repa).differences(self.repa.identity())
+            if changed:  # each names this run's encoder, then "this one": the checkpoint's
                 raise ValueError(
                     "the checkpoint (--ckpt_path) was trained against another REPA encoder: this run's "
-                    + "; ".join(wrong).replace("this one", "the checkpoint's")
+                    + "; ".join(changed).replace("this one", "the checkpoint's")
                     + ". Give the encoder and weights the run was trained with (model.repa.encoder / weights)"
                 )
         if "state_dict" not in checkpoint:  # sharded checkpoint: loaded (strictly) by the strategy

@@ -61,7 +61,10 @@ def _ddpm(s: ObjectiveSettings) -> DDPMObjective:
     if s.loss_weighting in ("velocity", "likelihood"):
         changed.append(f"model.loss_weighting {s.loss_weighting}")
     if changed:
-        raise ValueError(f"{', '.join(changed)}: settings of flow matching; set model.objective flow to use them")
+        raise ValueError(
+            f"{', '.join(changed)}: settings of flow matching, and model.objective is ddpm: set model.objective flow "
+            "to use them (a flow run resumes with model.objective flow, as its config.yaml says)"
+        )
     if s.loss_weighting != "min_snr" and s.min_snr_gamma != ObjectiveSettings.min_snr_gamma:
         raise ValueError(
             f"model.min_snr_gamma {s.min_snr_gamma} shapes model.loss_weighting min_snr, which is off: set "
@@ -87,7 +90,7 @@ def _flow(s: ObjectiveSettings) -> FlowMatching:
     return FlowMatching(
         path_type=s.path_type,
         prediction=s.prediction,
-        loss_weight=s.loss_weighting,  # type: ignore[arg-type]  # checked by FlowMatching
+        loss_weight=s.loss_weighting,
         train_eps=s.train_eps,
         sample_eps=s.sample_eps,
         time_distribution=s.time_distribution,

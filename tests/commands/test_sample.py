@@ -159,3 +159,29 @@ def test_a_flow_models_checkpoint_samples_as_a_flow_model(tmp_path):
     lat = module.sample([0, 1, 2], seed=5)
     expect = (((lat + 1) / 2).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     assert np.abs(_npz(res["npz"]).astype(int) - expect.astype(int)).max() <= 1
+    # a declaration that contradicts the record is refused, not ignored
+    with pytest.raises(ValueError, match="--path_type gvp: checkpoint .* records objective flow"):
+        sample(str(ckpt), str(tmp_path / "gvp"), num_samples=1, labels="0", path_type="gvp")
+    with pytest.raises(ValueError, match="--objective ddpm: checkpoint .* records objective flow"):
+        sample(str(ckpt), str(tmp_path / "ddpm"), num_samples=1, labels="0", objective="ddpm")
+
+
+def test_a_refused_sampler_leaves_nothing_that_refuses_the_corrected_command(tmp_path):
+    net = random_dit(in_channels=3, hidden_size=64, num_heads=1)  # pixels: no VAE
+    ckpt = tmp_path / "DiT-raw.pt"
+    torch.save(net.state_dict(), ckpt)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="'ode-euler' does not sample a model trained with objective ddpm"):
+        sample(str(ckpt), str(out), num_samples=2, labels="0-1", sampler="ode-euler", num_steps=3)
+    assert not (out / "sample_config.json").exists()
+    (out / "samples").mkdir(parents=True)  # a record without a sample (a run that failed before its first image)
+    (out / "sample_config.json").write_text(json.dumps({"sampler": "ddim", "num_steps": 99}))
+    assert sample(str(ckpt), str(out), num_samples=2, labels="0-1", num_steps=3)["complete"]
+
+
+@pytest.mark.parametrize("atol,rtol", [(1e-6, -1.0), (-1.0, 1e-3), (0.0, 0.0)])
+def test_dopri5_tolerances_out_of_range_are_refused(atol, rtol):
+    from dit_lightning.sampling import SamplingOptions
+
+    with pytest.raises(ValueError, match="tolerances must be >= 0 and not both 0"):
+        SamplingOptions(sampler="ode-dopri5", atol=atol, rtol=rtol)
