@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from dit_lightning.module import AttentionBackend
+    from dit_lightning.models.dit import AttentionBackend
     from dit_lightning.precision import TrainingPrecision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

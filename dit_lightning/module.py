@@ -43,12 +43,12 @@ from .distributed.ops import clip_gradients, ema_update_, first_failed_rank, gra
 from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
-from .models.dit import CheckpointSpec
+from .models.dit import AttentionBackend, CheckpointSpec, attention_kernel
 from .models.repa import REPAOptions
 from .models.repa_head import EncoderIdentity, REPAHead, image_shape_of, repa_head
 from .optimizers import configure_training_optimizers, use_fused_adamw
 from .precision import compute_dtype, grad_scaler, pending_grad_scale, set_tf32
-from .sampling import DIFFUSERS_SAMPLERS, Sampler, SamplingOptions, sample_latents, sampling_options
+from .sampling import DIFFUSERS_SAMPLERS, Sampler, SamplingOptions, StepLines, sample_latents, sampling_options
 from .vae import DEFAULT_SCALE_FACTOR, decode_latents, is_pixel_space, load_vae
 
 if TYPE_CHECKING:
@@ -58,7 +58,6 @@ log = logging.getLogger(__name__)
 # The EMA copy is in eval mode on purpose (it is never trained); Lightning warns about it.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
-AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
 
 # Fixed keys so that validation sees the same timesteps and noise in every run and epoch.
 _VAL_STEP_KEY = -1
@@ -259,16 +258,14 @@ class DiTModule(L.LightningModule):
                 load_dit_weights(self.ema, self._init_weights(initial.ema), source=f"EMA weights of '{init_from}'")
         self._decoder_cache: dict[str, nn.Module] = {}  # a plain dict: keeps the VAE out of the state dict
         if self.repa is not None:  # registered here: checkpoints name its weights repa_projector.*
-            self.repa_projector = self.repa.attach(
-                self.model.hidden_size, len(self.model.blocks), (self.model.input_size // self.model.patch_size) ** 2
-            )
+            self.repa_projector = self.repa.attach(self.model)
 
     def on_fit_start(self) -> None:
         # features precomputed in the store must be this run's encoder's: said before the first step
         data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         spec = getattr(data, "repa_spec", None)
         if self.repa is not None and spec:
-            self.repa.check_store(spec, (self.model.input_size // self.model.patch_size) ** 2)
+            self.repa.check_store(spec)
 
     def _init_weights(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
         """``init_from``'s weights for this network: an objective that drops unused outputs (flow) also
@@ -395,18 +392,7 @@ class DiTModule(L.LightningModule):
 
     # ---- the training objective -----------------------------------------------------------
     def _attention_context(self) -> contextlib.AbstractContextManager[Any]:
-        backend = self.hparams.attention_backend
-        if backend == "auto":
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        kinds = {
-            "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "math": SDPBackend.MATH,
-        }
-        return sdpa_kernel(kinds[backend])
+        return attention_kernel(self.hparams.attention_backend)
 
     def diffusion_loss(self, net: ModelFn, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
         """Per-batch mean of the objective's terms (:attr:`objective`) with times, noise and label
@@ -604,6 +590,7 @@ class DiTModule(L.LightningModule):
         indices: Optional[Union[Tensor, Sequence[int]]] = None,
         noise: Optional[Tensor] = None,
         use_ema: Optional[bool] = None,
+        on_step: Optional[Callable[[int], None]] = None,
         **overrides: Any,
     ) -> Tensor:
         """Class-conditional samples (latents, before the VAE's scale is undone) for ``labels``.
@@ -620,12 +607,15 @@ class DiTModule(L.LightningModule):
         net = self.ema if (use_ema and self.ema is not None) else self.model
         opts = sampling_options(options, **overrides).over(SamplingOptions.from_hparams(hp, net.in_channels))
         with self._attention_context():
-            return sample_latents(net, labels, indices, options=opts, objective=self.objective, noise=noise)
+            return sample_latents(
+                net, labels, indices, options=opts, objective=self.objective, noise=noise, on_step=on_step
+            )
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """Images in [0, 1] for ``batch = {"index", "y"}`` (see ``LatentDataModule.predict_dataloader``);
         sample i is keyed on (seed, i), so the output does not depend on batching or devices."""
-        latents = self.sample(batch["y"], seed=self.hparams.seed, indices=batch["index"])
+        progress = StepLines(f"predict batch {batch_idx}")  # a batch may denoise for minutes
+        latents = self.sample(batch["y"], seed=self.hparams.seed, indices=batch["index"], on_step=progress)
         return {"index": batch["index"], "y": batch["y"], "images": self.decode(latents)}
 
     def decode(self, latents: Tensor, scale_factor: Optional[float] = None) -> Tensor:

@@ -39,6 +39,7 @@ from ..sampling import (
     LabelSpec,
     ResolvedSamplingOptions,
     SamplingOptions,
+    StepLines,
     parse_labels,
     sample_latents,
 )
@@ -281,7 +282,8 @@ def sample(
                 stop_point()
                 idx = torch.tensor(list(chunk), dtype=torch.long)
                 y = plan(idx)
-                latents = sample_latents(net, y, idx, options=opts, objective=trained)
+                steps = StepLines(f"rank {rank}: batch of {len(chunk)}") if progress else None  # long batches
+                latents = sample_latents(net, y, idx, options=opts, objective=trained, on_step=steps)
                 images = to_uint8(decode_latents(latents, vae_model if vae_model is not None else vae_name, scale))
                 for k, (i, c) in enumerate(zip(idx.tolist(), y.tolist())):
                     save_sample(images[k], samples_dir, i, c)

@@ -10,9 +10,10 @@ Pure PyTorch: no Lightning import, so notebooks and other trainers can use it di
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union, cast, overload
 
 import numpy as np
 import torch
@@ -242,6 +243,24 @@ class DiTBlocks(nn.ModuleList):
 # --------------------------------------------------------------------------------------
 # The network
 # --------------------------------------------------------------------------------------
+
+
+AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]
+
+
+def attention_kernel(backend: AttentionBackend) -> contextlib.AbstractContextManager[Any]:
+    """A context forcing the SDPA kernel of the attention (``auto``: PyTorch chooses)."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kinds = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    return sdpa_kernel(kinds[backend])
 
 
 def resolve_checkpoint_blocks(spec: CheckpointSpec, depth: int) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..hashing import file_sha256, tree_sha256
+from .dit import DiT
 from .encoders import FrozenEncoder, feature_shape, load_encoder
 from .repa import Projector, REPAOptions, alignment_loss
 
@@ -97,6 +98,7 @@ class REPAHead:
             options = dataclasses.replace(options, weights_sha256=EncoderIdentity.of(options).weights_sha256)
         self.options = options
         self.projector: Optional[Projector] = None
+        self.dit_tokens: Optional[int] = None  # the network's, once attached
 
     def _load(self, options: REPAOptions) -> FrozenEncoder:
         encoder = load_encoder(options, trusted=self.trusted)
@@ -111,9 +113,10 @@ class REPAHead:
     def coeff(self) -> float:
         return self.options.coeff
 
-    def attach(self, hidden_size: int, num_blocks: int, tokens: int) -> Projector:
+    def attach(self, net: DiT) -> Projector:
         """Check the options against the network (its blocks and tokens) and create the projector."""
-        self.options.check(num_blocks)
+        self.options.check(len(net.blocks))
+        tokens = self.dit_tokens = int(net.x_embedder.num_patches)
         if self.tokens is not None and self.tokens != tokens:
             side = int(round(tokens**0.5))
             raise ValueError(
@@ -122,7 +125,7 @@ class REPAHead:
                 f"grid is {side}x{side} (DINOv2 at 224 px for 256 px images and patch 2)"
             )
         assert self.options.feature_dim is not None
-        self.projector = Projector(hidden_size, self.options.projector_dim, self.options.feature_dim)
+        self.projector = Projector(net.hidden_size, self.options.projector_dim, self.options.feature_dim)
         return self.projector
 
     def identity(self) -> EncoderIdentity:
@@ -160,9 +163,10 @@ class REPAHead:
             images = decode(batch["x"])
             return self.encoder(images.device)(images)
 
-    def check_store(self, spec: Mapping[str, Any], tokens: int) -> None:
+    def check_store(self, spec: Mapping[str, Any]) -> None:
         """Features precomputed in a store (its record ``spec``) must be this run's encoder's: the same
-        encoder, weights and image size (:class:`EncoderIdentity`), width and token count."""
+        encoder, weights and image size (:class:`EncoderIdentity`), width and the DiT's token count."""
+        tokens = self.dit_tokens
         problems = EncoderIdentity.from_record(spec).differences(self.identity())
         if spec.get("dim") != self.options.feature_dim:
             problems.append(f"feature width {spec.get('dim')} (the encoder gives {self.options.feature_dim})")

@@ -10,7 +10,7 @@ network from a checkpoint in :mod:`dit_lightning.checkpoints`; the ``sample`` co
 """
 
 from .labels import LabelPlan, LabelSpec, SampleRequests, parse_labels
-from .loop import guided_model_fn, initial_noise, sample_latents, step_noise
+from .loop import StepLines, guided_model_fn, initial_noise, sample_latents, step_noise
 from .options import SAMPLING_OPTION_NAMES, ResolvedSamplingOptions, SamplingOptions, sampling_options
 from .schedulers import (
     DIFFUSERS_SAMPLERS,
@@ -32,6 +32,7 @@ __all__ = [
     "SampleRequests",
     "Sampler",
     "SamplingOptions",
+    "StepLines",
     "build_scheduler",
     "guided_model_fn",
     "initial_noise",

@@ -12,6 +12,8 @@ the one :class:`~.options.SamplingOptions`.
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -39,6 +41,21 @@ def initial_noise(indices: Tensor, shape: Sequence[int], seed: int) -> Tensor:
 def step_noise(indices: Tensor, shape: Sequence[int], seed: int, step: int) -> Tensor:
     """The noise sample ``i`` gets at sampling step ``step`` (0 = the first, at t = T-1)."""
     return keyed_normal(sample_keys(indices.long(), seed, _KEY_STEP, step), shape)
+
+
+class StepLines:
+    """``on_step`` for :func:`sample_latents` that prints a line (to stderr) every ``every_s`` seconds of
+    a long sampling call: in a batch job's log, minutes of denoising show as progress, not silence."""
+
+    def __init__(self, label: str, every_s: float = 10.0) -> None:
+        self.label, self.every_s = label, every_s
+        self._last = time.monotonic()
+
+    def __call__(self, evaluations: int) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            print(f"{self.label}: {evaluations} network evaluations so far", file=sys.stderr, flush=True)
 
 
 def guided_model_fn(
@@ -96,6 +113,7 @@ def sample_latents(
     noise: Optional[Tensor] = None,
     noise_fn: Optional[Callable[[int, Tensor], Tensor]] = None,
     model_fn: Optional[Callable[..., Tensor]] = None,
+    on_step: Optional[Callable[[int], None]] = None,
     **overrides: Any,
 ) -> Tensor:
     """Latents (N, C, H, W) for ``labels``, sample ``indices[k]`` drawn from keys (seed, index).
@@ -108,6 +126,7 @@ def sample_latents(
     or a flow model's ODE / SDE samplers) and refuses another objective's; diffusers' schedulers
     sample the objectives that predict epsilon on the model's betas.
 
+    ``on_step(k)`` is told of the k-th network evaluation (progress: :class:`StepLines`).
     ``indices`` default to ``0..N-1``. ``noise`` overrides x_T; ``noise_fn(step, x)`` overrides
     the per-step noise (tests use it to replay a ``torch.Generator``). DDPM is ancestral
     sampling with the learned variance; DDIM ignores the variance and adds ``eta``-scaled
@@ -137,8 +156,14 @@ def sample_latents(
         net, opts.cfg_scale, opts.guide_channels, opts.precision, cfg_interval=opts.cfg_interval
     )
 
+    evaluations = 0
+
     def fn(*args: Any, **kwargs: Any) -> Tensor:
+        nonlocal evaluations
         stop_point()  # every denoising step is a safe point: a signal stops sampling here (dit_lightning.signals)
+        evaluations += 1
+        if on_step is not None:
+            on_step(evaluations)
         return guided(*args, **kwargs)
 
     if noise_fn is None:

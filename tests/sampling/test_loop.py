@@ -129,3 +129,14 @@ def test_clip_denoised_keeps_cosine_pixel_sampling_in_range(sampler):
     seen.clear()
     sample_latents(net, y, model_fn=_noisy_oracle(data, "cosine", 0.02, seen), clip_denoised=False, **kw)
     assert seen[1] > 20.0
+
+
+def test_on_step_counts_network_evaluations_and_step_lines_print_them(capsys):
+    from dit_lightning.sampling import StepLines
+
+    seen: list[int] = []
+    sample_latents(random_dit(), [1, 2], sampler="ddim", num_steps=5, on_step=seen.append)
+    assert seen == [1, 2, 3, 4, 5]
+    lines = StepLines("predict batch 0", every_s=0.0)
+    sample_latents(random_dit(), [1], sampler="ddim", num_steps=3, on_step=lines)
+    assert capsys.readouterr().err.splitlines()[-1] == "predict batch 0: 3 network evaluations so far"
