@@ -485,10 +485,13 @@ class LatentDataModule(L.LightningDataModule):
         predict_num_samples: Number of samples ``dit-lightning predict`` generates.
         verify_checksums: Before training, hash every shard and compare with the sha256 its commit
             record holds, and scan it for NaN / inf (reads the whole store once, split over the
-            ranks). Opening a store always checks the files' sizes; ``dit-lightning verify`` does
-            this check without training.
+            ranks). Opening a store always checks the files' sizes and its commit records against
+            the index (an inconsistent store is refused); ``dit-lightning verify`` does all of
+            this without training.
         repa_features: Add the store's REPA features to the batches (``batch["repa"]``) when it has
-            them; False: leave them out (REPA then computes them online, or is off).
+            them; False: leave them out (REPA then computes them online, or is off). With True, a
+            REPA run on a store whose features pass stopped half-way is refused
+            (:attr:`repa_unfinished`) rather than computing them online unawares.
     """
 
     def __init__(
