@@ -465,10 +465,16 @@ def write_features(
     return record
 
 
+def _entry(record: Optional[Mapping[str, Any]], name: str) -> dict[str, Any]:
+    """A commit record's entry of feature set ``name``, {} when it has none."""
+    entry = (record or {}).get(name)
+    return entry if isinstance(entry, dict) else {}
+
+
 def _features_done(root: str, record: Optional[dict[str, Any]], features: FeatureSpec) -> bool:
     """Whether a commit record commits a file of ``features`` (its key) that is on disk whole."""
-    entry = (record or {}).get(features.name)
-    if not isinstance(entry, dict) or entry.get("key") != features.key:
+    entry = _entry(record, features.name)
+    if entry.get("key") != features.key:
         return False
     try:
         return os.path.getsize(os.path.join(root, SHARD_DIR, str(entry["file"]))) == int(entry["bytes"])
@@ -782,7 +788,7 @@ class LatentStore:
                 f"bytes, the index and {fname} {n} in {size}: it does not commit that file; {self._shard_fix(fname)}"
             )
         for name, features in self.features.items():
-            entry = record.get(name) if isinstance(record.get(name), dict) else {}
+            entry = _entry(record, name)
             ffile = self._feature_files[name][k]
             if entry.get("key") != features.key or entry.get("bytes") != os.path.getsize(ffile):
                 problems.append(
@@ -817,7 +823,7 @@ class LatentStore:
             for name, features in self.features.items():
                 ffile, what = self._feature_files[name][k], f"{name} features file"
                 ffix = self._features_fix(name, ffile)
-                entry = record.get(name) if isinstance(record.get(name), dict) else {}
+                entry = _entry(record, name)
                 if record and entry.get("key") != features.key:
                     continue  # said above: the record does not commit this file, so its checksum is not known
                 problem = _check_file(ffile, what, entry.get("sha256") if checksums else None, ffix)
