@@ -358,4 +358,10 @@ def test_training_refuses_a_store_whose_commit_records_disagree_with_its_index(e
         assert problem in str(refused.value) and f"dit-lightning verify {path}" in str(refused.value)
         found = st.verify_store(path, fixes=REPA_FIXES)
         assert len(found) == 1 and problem in found[0] and found[0] in str(refused.value)
-    assert f"rerun `dit-lightning extract --output {other} --repa_encoder {DIGITS} --repa_weights <enc.pt>`" in found[0]
+    fix = f"rerun `dit-lightning extract --output {other} --repa_encoder {DIGITS} --repa_weights <enc.pt>`"
+    assert fix in found[0]
+    from dit_lightning.commands.verify import VerificationError, verify
+
+    with pytest.raises(VerificationError, match="1 problem") as reported:
+        verify(other)
+    assert fix in str(reported.value)  # the command names REPA's remedy
