@@ -263,7 +263,9 @@ class DiTModule(L.LightningModule):
     def on_fit_start(self) -> None:
         # features precomputed in the store must be this run's encoder's: said before the first step
         data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        spec = getattr(data, "repa_spec", None)
+        spec, unfinished = getattr(data, "repa_spec", None), getattr(data, "repa_unfinished", None)
+        if self.repa is not None and unfinished:
+            raise ValueError(unfinished)  # not online features unawares: the store's features pass is half done
         if self.repa is not None and spec:
             self.repa.check_store(spec)
 

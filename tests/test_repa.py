@@ -239,3 +239,36 @@ def test_an_encoder_class_named_by_a_checkpoint_is_not_imported(tmp_path, monkey
     with pytest.raises(Exception, match="evil_encoder"):
         head.encoder()
     assert not marker.exists()
+
+
+def test_a_store_whose_features_pass_stopped_half_way_is_refused_with_the_fixes(tmp_path, encoder_file):
+    """Not a silent fallback to online features (a decode and an encoder forward per step): a REPA run
+    on a store whose features pass stopped is refused, naming the command that resumes the pass and
+    data.repa_features false; the latter trains (online, knowingly), the former completes the store."""
+    import json
+    import os
+
+    from dit_lightning.data import LatentDataModule, prepare_digits
+    from dit_lightning.data import store as st
+    from dit_lightning.data.extract import extract_features
+
+    store = prepare_digits(str(tmp_path / "digits"))
+    args = dict(repa_weights=encoder_file, device="cpu", num_workers=0, progress=False)
+    extract_features(store, ENCODER, **args)
+    record = os.path.join(store, "shards", "shard-00001.json")  # as if the pass was killed after shard 0
+    json.dump({k: v for k, v in json.load(open(record)).items() if k != "repa"}, open(record, "w"))
+    st.finalize_store(store)
+
+    half = LatentDataModule(store, global_batch_size=16, num_workers=0)
+    assert half.repa_spec is None and "in only 1 of its 2 shards" in half.repa_unfinished
+    module = repa_module(encoder_file, latent_shape=half.latent_shape)
+    command = f"dit-lightning extract --output {store} --repa_encoder {ENCODER} --repa_weights <encoder.pt>"
+    with pytest.raises(ValueError, match="stopped half-way") as refused:
+        trainer(max_steps=1, limit_val_batches=0).fit(module, half)
+    assert command in str(refused.value) and "set data.repa_features false" in str(refused.value)
+    knowingly = LatentDataModule(store, global_batch_size=16, num_workers=0, repa_features=False)
+    assert knowingly.repa_unfinished is None
+    trainer(max_steps=1, limit_val_batches=0).fit(module, knowingly)  # online features, as asked
+    assert extract_features(store, ENCODER, **args)["features_written"] == 1  # the command resumes the pass
+    done = LatentDataModule(store, global_batch_size=16, num_workers=0)
+    assert done.repa_unfinished is None and done.repa_spec is not None

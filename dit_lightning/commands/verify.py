@@ -1,9 +1,10 @@
 """``dit-lightning verify``: check a latent store (or a checkpoint) against what was written, without
-training: the files' sizes, each shard's sha256 against its commit record, and NaN / inf values.
+training: the files' sizes, the commit records against the index, each shard's sha256 against its
+commit record, and NaN / inf values.
 
-Opening a store for training checks only the sizes (cheap); a shard corrupted in place keeps its
-size, so its checksum is what finds it: run ``verify`` after copying a store, or train with
-``--data.verify_checksums true``.
+Opening a store for training checks only the sizes and the commit records (cheap); a shard corrupted
+in place keeps its size, so its checksum is what finds it: run ``verify`` after copying a store, or
+train with ``--data.verify_checksums true``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from ..data import store as st
+from ..data.extract import REPA_FIXES
 
 
 class VerificationError(ValueError):
@@ -55,7 +57,7 @@ def verify(path: str, checksums: bool = True, values: bool = True) -> dict[str, 
         os.path.exists(os.path.join(path, name)) for name in (st.META_FILE, st.PLAN_FILE)
     )
     if is_store_dir:
-        problems = st.verify_store(path, checksums=checksums, values=values)
+        problems = st.verify_store(path, checksums=checksums, values=values, fixes=REPA_FIXES)
         checked = ["sizes"] + (["checksums"] if checksums else []) + (["values"] if values else [])
         if not problems:
             store = st.LatentStore(path)

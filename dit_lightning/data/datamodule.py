@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from . import store as st
 from .digits import digits_spec, prepare_digits
+from .extract import REPA_FEATURES, REPA_FIXES, unfinished_repa_features
 from .rng import NoiseKernel, flip_bits, to_float32
 
 if TYPE_CHECKING:
@@ -71,8 +72,9 @@ class LatentBatchDataset(Dataset):
     ) -> None:
         self.store = store if isinstance(store, st.LatentStore) else st.LatentStore(store)
         self.repa_shape: Optional[tuple[int, int]] = None  # (T, D) when batches carry features
-        if repa and self.store.repa is not None:
-            self.repa_shape = (self.store.repa.tokens, self.store.repa.dim)
+        features = self.store.features.get(REPA_FEATURES)
+        if repa and features is not None:
+            self.repa_shape = (features.tokens, features.dim)
         self.train, self.seed = train, int(seed)
         self.random_flip = random_flip and train and self.store.num_flips > 1
         self.sample_posterior = sample_posterior and train and self.store.variant == "moments"
@@ -134,7 +136,7 @@ class LatentBatchDataset(Dataset):
             # the features of the same flip as x: the encoder saw the image x was encoded from
             if out_repa is None:
                 out_repa = np.empty((B, self.repa_numel), np.float32)
-            np.copyto(out_repa.reshape(B, *self.repa_shape), store.read_features(idx, flip=flip))
+            np.copyto(out_repa.reshape(B, *self.repa_shape), store.read_features(REPA_FEATURES, idx, flip=flip))
             repa = out_repa
         if out is None:
             out = np.empty((B, self.sample_numel), np.float32)
@@ -483,10 +485,13 @@ class LatentDataModule(L.LightningDataModule):
         predict_num_samples: Number of samples ``dit-lightning predict`` generates.
         verify_checksums: Before training, hash every shard and compare with the sha256 its commit
             record holds, and scan it for NaN / inf (reads the whole store once, split over the
-            ranks). Opening a store always checks the files' sizes; ``dit-lightning verify`` does
-            this check without training.
+            ranks). Opening a store always checks the files' sizes and its commit records against
+            the index (an inconsistent store is refused); ``dit-lightning verify`` does all of
+            this without training.
         repa_features: Add the store's REPA features to the batches (``batch["repa"]``) when it has
-            them; False: leave them out (REPA then computes them online, or is off).
+            them; False: leave them out (REPA then computes them online, or is off). With True, a
+            REPA run on a store whose features pass stopped half-way is refused
+            (:attr:`repa_unfinished`) rather than computing them online unawares.
     """
 
     def __init__(
@@ -530,7 +535,8 @@ class LatentDataModule(L.LightningDataModule):
         self.prepare, self.digits_size = prepare, int(digits_size)
         self.drop_last = drop_last
         self.repa_features = bool(repa_features)
-        self._repa: Optional[st.RepaSpec] = None  # the store's REPA features (known once it is opened)
+        self._repa: Optional[st.FeatureSpec] = None  # the store's REPA features (known once it is opened)
+        self._repa_unfinished: Optional[str] = None  # why a features pass's features are not used
         # The store opened to read the spec (index and shard sizes checked), kept for setup().
         self._opened: Optional[st.LatentStore] = None
         self.spec = self._read_spec()  # eager: the index and shard sizes (or the digits constants)
@@ -549,13 +555,28 @@ class LatentDataModule(L.LightningDataModule):
     def _read_spec(self) -> st.StoreSpec:
         meta_path = os.path.join(self.path, st.META_FILE)
         if os.path.exists(meta_path):
-            self._opened = st.LatentStore(self.path)  # validated: a corrupt index or shard names its file
-            self._repa = self._opened.repa
+            self._opened = self._open()
             return self._opened.spec
         if self.prepare == "digits":
             return digits_spec(self.digits_size)
         st.LatentStore(self.path)  # raises the explanatory error (missing / incomplete store)
         raise st.StoreError(f"no store at {self.path}")  # pragma: no cover
+
+    def _open(self) -> st.LatentStore:
+        """Open the store, validated as training needs it: the index and every file's size (a corrupt
+        index or shard names its file), and the commit records against the index (cheap: no data read;
+        ``verify`` also hashes and scans the data)."""
+        store = st.LatentStore(self.path, REPA_FIXES)
+        problems = store.check_records()
+        if problems:
+            listed = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+            raise st.StoreError(
+                f"the store at {self.path} is inconsistent, not trained on: {listed}. (`dit-lightning verify "
+                f"{self.path}` lists every problem, checksums included.)"
+            )
+        self._repa = store.features.get(REPA_FEATURES)
+        self._repa_unfinished = unfinished_repa_features(store) if self.repa_features else None
+        return store
 
     # -- what the model links to ------------------------------------------------------
 
@@ -586,6 +607,14 @@ class LatentDataModule(L.LightningDataModule):
         if not self.repa_features or self._repa is None:
             return None
         return self._repa.to_json()
+
+    @property
+    def repa_unfinished(self) -> Optional[str]:
+        """Why the batches carry no REPA features though the store started computing them (its
+        features pass stopped half-way), with the fixes; None otherwise, or with
+        ``repa_features=False``. A REPA run refuses it rather than computing features online
+        unawares."""
+        return self._repa_unfinished
 
     @property
     def micro_batch_size(self) -> int:
@@ -627,10 +656,9 @@ class LatentDataModule(L.LightningDataModule):
         if self.store is None:
             if self.prepare == "digits" and not os.path.exists(os.path.join(self.path, st.META_FILE)):
                 self.prepare_data()  # notebook use without a trainer
-            self.store = self._opened or st.LatentStore(self.path)
+            self.store = self._opened or self._open()
             self._opened = None
             self.spec = self.store.spec
-            self._repa = self.store.repa
             if self.hparams.get("verify_checksums"):
                 self._verify(world, rank)
         self.train_indices, self.val_indices = split_indices(len(self.store), self.val_size, self.split_seed)

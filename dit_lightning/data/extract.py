@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -40,6 +40,7 @@ from .rng import NoiseKernel, to_float32
 if TYPE_CHECKING:
     from ..models.encoders import FrozenEncoder
     from ..models.repa import REPAOptions
+    from ..models.repa_head import EncoderIdentity
 
 # Test hook: "k" makes the process exit right after committing k shards, "k+" makes it die
 # inside the next shard, after its data file and before its commit record.
@@ -126,11 +127,62 @@ def _exit_plan() -> tuple[Optional[int], bool]:
 # --------------------------------------------------------------------------------------
 
 
-class _Repa:
-    """The REPA encoder of one extraction: its store record (``RepaSpec``) and, loaded only when
-    features are left to compute, the encoder itself."""
+# The store's feature set of the REPA encoder's patch features (repa.json, shard-KKKKK.repa.npy).
+REPA_FEATURES = "repa"
 
-    def __init__(self, spec: st.RepaSpec, options: Any, dev: torch.device, encoder: Optional[FrozenEncoder]) -> None:
+
+def repa_feature_spec(identity: EncoderIdentity, weights: Optional[str], tokens: int, dim: int) -> st.FeatureSpec:
+    """The store's record of the features of the encoder ``identity`` (``weights``: its weights file's
+    name): its source (:meth:`EncoderIdentity.store_record`), shape and key
+    (:meth:`EncoderIdentity.features_key`)."""
+    return st.FeatureSpec(
+        REPA_FEATURES, identity.store_record(weights), tokens, dim, key=identity.features_key(tokens, dim)
+    )
+
+
+def repa_extract_command(root: str, plan: st.StoreSpec, source: Mapping[str, Any]) -> str:
+    """The ``extract`` command that computes (or resumes) the REPA features recorded by ``source``
+    in the store at ``root``: only the shards without them are computed."""
+    cmd = f"dit-lightning extract --output {root} --repa_encoder {source.get('encoder')}"
+    if source.get("weights"):
+        cmd += f" --repa_weights <{source['weights']}>"
+    if source.get("image_size") is not None:
+        cmd += f" --repa_image_size {source['image_size']}"
+    if not is_pixel_space(plan.vae):  # pixel stores hold their images; VAE stores need theirs
+        cmd += " --image_root <the images>"
+    return cmd
+
+
+def _repa_fix(root: str, plan: st.StoreSpec, features: st.FeatureSpec) -> str:
+    command = repa_extract_command(root, plan, features.source)
+    return f"rerun `{command}` to compute it again (only the missing features are computed)"
+
+
+# The remedies the store's messages give for a broken REPA features file (LatentStore's ``fixes``).
+REPA_FIXES: dict[str, st.FeaturesFix] = {REPA_FEATURES: _repa_fix}
+
+
+def unfinished_repa_features(store: st.LatentStore) -> Optional[str]:
+    """Why ``store`` holds no REPA features though a features pass started on it (``repa.json``
+    written, not every shard done), with the fixes; None when no pass is unfinished."""
+    planned = st.load_features_plan(store.path, REPA_FEATURES)
+    if planned is None or REPA_FEATURES in store.features:
+        return None
+    done, _ = st.features_status(store.path, planned, store.spec)
+    return (
+        f"the store {store.path} has REPA features of {planned.source.get('encoder')} in only {len(done)} of its "
+        f"{store.num_shards} shards (a features pass stopped half-way), so its batches carry none and REPA would "
+        "compute them online, a decode and an encoder forward per step. Resume the features pass: "
+        f"`{repa_extract_command(store.path, store.spec, planned.source)}`; or set data.repa_features false to "
+        "compute them online knowingly"
+    )
+
+
+class _Repa:
+    """The REPA encoder of one extraction: its store record (the ``repa`` feature set) and, loaded
+    only when features are left to compute, the encoder itself."""
+
+    def __init__(self, spec: st.FeatureSpec, options: Any, dev: torch.device, encoder: Optional[FrozenEncoder]) -> None:
         self.spec, self.options, self.dev = spec, options, dev
         self._encoder = encoder
         self._placed = False
@@ -156,35 +208,22 @@ class _Repa:
         return z.reshape(n, f, *want).to(torch.float16).cpu().numpy()
 
 
-def encoder_weights_sha256(options: Optional[REPAOptions]) -> Optional[str]:
-    """The sha256 identifying a REPA encoder's weights: of its weights file, or of every file of a
-    ``save_pretrained`` directory (names and bytes); None without an encoder or a weights file. A
-    run records it, so that a resumed run or a store's features can be checked against it."""
-    if options is None or not options.encoder:
-        return None
-    if os.path.isdir(options.encoder):
-        return st.tree_sha256(options.encoder)
-    if not options.weights:
-        return None
-    if not os.path.isfile(options.weights):
-        raise FileNotFoundError(f"REPA encoder weights '{options.weights}' does not exist")
-    return st.file_sha256(options.weights)
-
-
-def _hash_weights(options: REPAOptions) -> tuple[Optional[str], str]:
-    """(file name, sha256) identifying the encoder's weights for the store's record ("" for a class
-    that needs none); an encoder that needs a weights file and has none is refused."""
+def _repa_identity(options: REPAOptions) -> tuple[EncoderIdentity, Optional[str]]:
+    """The identity of the asked encoder (its weights hashed now) and its weights file's name (None
+    for a directory, whose files are hashed together, or a class that needs none); an encoder that
+    needs a weights file and has none is refused."""
     from ..models.encoders import needs_weights
+    from ..models.repa_head import EncoderIdentity
 
     if not options.weights and needs_weights(options.encoder or "", trusted=True):  # typed by the user
         raise ValueError(
             f"--repa_encoder {options.encoder} needs --repa_weights, its local weights file: features of an encoder "
             "without trained weights would be random (and differ at every run)"
         )
-    sha = encoder_weights_sha256(options) or ""
+    identity = EncoderIdentity.of(options)
     if os.path.isdir(options.encoder or "") or not options.weights:
-        return None, sha  # a directory's files are hashed together; a class that needs none has none
-    return os.path.basename(options.weights), sha
+        return identity, None
+    return identity, os.path.basename(options.weights)
 
 
 def _repa_options(encoder: Optional[str], weights: Optional[str], image_size: Optional[int]) -> Any:
@@ -212,27 +251,30 @@ def _image_shape(spec: st.StoreSpec) -> tuple[int, int, int]:
 def _setup_repa(output: str, spec: st.StoreSpec, options: Any, dev: torch.device) -> _Repa:
     """Check the asked encoder against the store's features (``repa.json``) or record it there.
 
-    A store's features all come from one encoder: other settings are refused before any work. The
-    encoder is loaded here only for a store without features (to read its tokens and width)."""
-    name, sha = _hash_weights(options)
-    identity = {"encoder": options.encoder, "weights_sha256": sha, "image_size": options.image_size}
-    old = st.load_repa_plan(output)
+    A store's features all come from one encoder (:class:`EncoderIdentity`'s rule): another is
+    refused before any work. The encoder is loaded here only for a store without features (to read
+    its tokens and width)."""
+    from ..models.repa_head import EncoderIdentity
+
+    identity, weights = _repa_identity(options)
+    old = st.load_features_plan(output, REPA_FEATURES)
     if old is not None:
-        st.check_repa_identity(output, old, identity)
+        wrong = EncoderIdentity.from_record(old.source).differences(identity)
+        if wrong:  # each names the asked encoder, then "this one": the store's
+            raise st.StoreError(
+                f"{output} already holds REPA features of another encoder than the one asked: "
+                + "; ".join(wrong).replace("this one", "the store's")
+                + f". Features of two encoders are never mixed: extract with the store's settings "
+                f"(`{repa_extract_command(output, spec, old.source)}`), or delete {old.plan_file} and "
+                f"shards/*.{REPA_FEATURES}.npy in the store to replace its features"
+            )
         return _Repa(old, options, dev, None)
     from ..models.encoders import feature_shape, load_encoder
 
     encoder = load_encoder(options, trusted=True)  # --repa_encoder: the user's choice (a store's is only compared)
     tokens, dim = feature_shape(encoder, _image_shape(spec))
-    rspec = st.RepaSpec(
-        encoder=options.encoder,
-        weights=name,
-        weights_sha256=sha,
-        image_size=options.image_size,
-        tokens=tokens,
-        dim=dim,
-    )
-    return _Repa(st.write_repa_plan(output, rspec), options, dev, encoder)
+    features = repa_feature_spec(identity, weights, tokens, dim)
+    return _Repa(st.write_features_plan(output, features), options, dev, encoder)
 
 
 def _check_fingerprint(image_root: str, spec: st.StoreSpec) -> None:
@@ -355,7 +397,7 @@ def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
                 os._exit(17)
 
 
-def _finalize_if_done(output: str, spec: st.StoreSpec, repa: Optional[st.RepaSpec]) -> bool:
+def _finalize_if_done(output: str, spec: st.StoreSpec, repa: Optional[st.FeatureSpec]) -> bool:
     """Write the index once every shard (and, with ``repa``, its features) is committed and the index
     does not say so yet; whether the store is complete."""
     if st.shard_status(output, spec)[1]:
@@ -364,7 +406,8 @@ def _finalize_if_done(output: str, spec: st.StoreSpec, repa: Optional[st.RepaSpe
         return False
     try:
         current = st.LatentStore(output)
-        fresh = repa is None or (current.repa is not None and current.repa.key == repa.key)
+        indexed = current.features.get(REPA_FEATURES)
+        fresh = repa is None or (indexed is not None and indexed.key == repa.key)
     except (st.StoreError, OSError, ValueError):
         fresh = False
     if not fresh:
@@ -467,7 +510,7 @@ def extract_features(
         from rich.console import Console
 
         Console(stderr=True).print(
-            f"[bold]features[/] rank {rank}/{world_size} on {dev}: {repa.spec.encoder} ({repa.spec.tokens}x"
+            f"[bold]features[/] rank {rank}/{world_size} on {dev}: {repa.spec.source['encoder']} ({repa.spec.tokens}x"
             f"{repa.spec.dim} per image and flip) of {stats['features_images']} images in {stats['features_written']} "
             f"shards ({summary['features_already_done']} already done) in {seconds:.1f}s; "
             + ("store finalised with its features" if finalized else "not finalised yet (other shards pending)")
@@ -658,11 +701,12 @@ def extract_latents(
     stats = {"images": 0, "skipped": 0, "converted": 0, "shards_written": 0, "features_written": 0}
     stats["features_images"] = 0
     repa = _setup_repa(output, spec, options, dev) if options is not None else None
-    recorded = st.load_repa_plan(output) if repa is None and missing else None
+    recorded = st.load_features_plan(output, REPA_FEATURES) if repa is None and missing else None
     if recorded is not None:
         raise st.StoreError(
-            f"{output} is being extracted with REPA features ({st.REPA_PLAN_FILE}: --repa_encoder {recorded.encoder}); "
-            "resume with the same --repa_encoder / --repa_weights / --repa_image_size, so that every shard has them"
+            f"{output} is being extracted with REPA features ({recorded.plan_file}: --repa_encoder "
+            f"{recorded.source.get('encoder')}); resume with the same --repa_encoder / --repa_weights / "
+            "--repa_image_size, so that every shard has them"
         )
 
     if mine:
@@ -822,8 +866,7 @@ def _encode_shards(
                     pending["sources"],
                     pending["report"],
                     after_data_hook=hook,
-                    features=features,
-                    repa=repa.spec if repa is not None else None,
+                    features=[(repa.spec, features)] if repa is not None and features is not None else (),
                 )
                 stats["shards_written"] += 1
                 if exit_after is not None and not exit_mid and stats["shards_written"] == exit_after:

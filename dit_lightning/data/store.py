@@ -7,9 +7,10 @@ Layout of a store directory::
     shards/shard-00000.labels.npy   (n_k,) int32 class labels
     shards/shard-00000.json   commit record of the shard: written last, so its presence
                               (with matching file sizes) is what makes the shard count
-    repa.json                 (optional) the REPA encoder whose features the store holds (RepaSpec)
-    shards/shard-00000.repa.npy     (optional) (n_k, F, T, D) float16 encoder patch features,
-                              committed by the "repa" entry of the shard's commit record
+    NAME.json                 (optional) a named feature set the store holds (FeatureSpec): what
+                              made it (the caller's record) and its shape
+    shards/shard-00000.NAME.npy     (optional) (n_k, F, T, D) float16 features of each sample and
+                              flip, committed by the NAME entry of the shard's commit record
     labels.npy, sources.txt, report.jsonl   written by finalize_store()
     meta.json                 written last by finalize_store(); a store without it is incomplete
 
@@ -21,24 +22,22 @@ Values are stored unscaled; readers multiply by ``scale_factor``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
 import resource
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
 import numpy as np
 
 from ..atomic import make_directory, save_npy, write_bytes, write_json
+from ..hashing import file_sha256
 
 FORMAT_NAME = "dit-lightning-latent-store"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 PLAN_FILE = "plan.json"
-REPA_PLAN_FILE = "repa.json"
-REPA_SUFFIX = ".repa.npy"
 LABELS_FILE = "labels.npy"
 SOURCES_FILE = "sources.txt"
 REPORT_FILE = "report.jsonl"
@@ -50,8 +49,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 # numpy has no bfloat16: its bits are stored as uint16 and viewed as torch.bfloat16 on read.
 _NP_DTYPES = {"float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
-# REPA features are always float16: DINOv2's features are O(1..10), far inside its range.
-REPA_NP_DTYPE = np.dtype("<f2")
+# Feature arrays are always float16: half the bytes of float32, and features of O(1..10) lie far
+# inside its range.
+FEATURES_NP_DTYPE = np.dtype("<f2")
 
 
 class StoreError(RuntimeError):
@@ -139,98 +139,131 @@ class StoreSpec:
         return cls(**kw)
 
 
-@dataclasses.dataclass(frozen=True)
-class RepaSpec:
-    """The frozen REPA encoder whose patch features a store holds (``repa.json``, and ``meta.json``'s
-    ``repa`` entry): what made them, and their shape (``tokens``, ``dim``) per image and flip.
+# --------------------------------------------------------------------------------------
+# Feature sets: named per-shard arrays beside the data, opaque to the store
+# --------------------------------------------------------------------------------------
 
-    ``encoder`` is the name as given to ``--repa_encoder`` (a ``save_pretrained`` directory as its
-    absolute path), ``weights`` the weights file's name and ``weights_sha256`` the hash of its bytes
-    (of a directory's files for ``save_pretrained`` directories): what identifies the encoder.
+_FEATURE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+# Names a feature set cannot take: they would collide with the store's own files or with the keys
+# of meta.json and of a shard's commit record, where each set has an entry under its name.
+_RESERVED_NAMES = frozenset(
+    {"labels", "plan", "meta", "sources", "report", "format", "format_version", "count", "num_classes"}
+    | {"num_flips", "num_moments", "sample_shape", "num_skipped", "num_converted", "shards", "labels_file"}
+    | {"labels_dtype", "shard", "items", "data_file", "data_bytes", "data_sha256", "labels_bytes"}
+    | {f.name for f in dataclasses.fields(StoreSpec)}
+)
+_FEATURE_FIELDS = ("tokens", "dim", "dtype", "key")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+    """A named set of per-shard feature arrays a store holds beside its data: float16
+    ``(n_k, F, tokens, dim)`` per shard, one ``tokens x dim`` row per sample and flip (flip 1: of
+    the mirrored sample).
+
+    The store keeps them without knowing what they are. ``source`` is the caller's record of what
+    made them, written as given and never interpreted here; ``key`` a short hash the caller computes
+    of everything that makes two sets interchangeable: each shard's commit record carries it, so a
+    file written with other settings never counts. Saved as ``NAME.json`` (the ``source`` fields,
+    ``tokens``, ``dim``, ``dtype``, ``key``) and repeated as ``meta.json``'s ``NAME`` entry once every
+    shard has its file.
     """
 
-    encoder: str
-    weights: Optional[str]
-    weights_sha256: str
-    image_size: Optional[int]
+    name: str
+    source: Mapping[str, Any]
     tokens: int
     dim: int
+    key: str
     dtype: str = "float16"
 
-    def identity(self) -> dict[str, Any]:
-        """What must be equal for features to be interchangeable (the weights' file name may differ)."""
-        return {"encoder": self.encoder, "weights_sha256": self.weights_sha256, "image_size": self.image_size}
+    def __post_init__(self) -> None:
+        if not _FEATURE_NAME.match(self.name) or self.name in _RESERVED_NAMES:
+            raise ValueError(
+                f"feature set name {self.name!r}: use lower-case letters, digits and '_' (a letter first), and "
+                f"none of the store's own names ({', '.join(sorted(_RESERVED_NAMES))})"
+            )
+        clash = sorted(set(_FEATURE_FIELDS) & set(self.source))
+        if clash:
+            raise ValueError(f"feature set {self.name!r}: its source may not hold the store's fields {clash}")
+        if self.tokens < 1 or self.dim < 1:
+            raise ValueError(
+                f"feature set {self.name!r}: tokens and dim must be positive, got {self.tokens}x{self.dim}"
+            )
+        if self.dtype != "float16" or not self.key:
+            raise ValueError(f"feature set {self.name!r}: dtype must be 'float16' and key set (got {self.dtype!r})")
+        object.__setattr__(self, "source", dict(self.source))
 
     @property
-    def key(self) -> str:
-        """A short hash of everything but the weights' file name: commit records carry it, so a
-        features file written for another encoder never counts."""
-        d = {**self.identity(), "tokens": self.tokens, "dim": self.dim, "dtype": self.dtype}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    def plan_file(self) -> str:
+        """Its record in the store's directory: ``NAME.json``."""
+        return f"{self.name}.json"
+
+    def describe(self) -> str:
+        """The source in words, long values cut: what made the features."""
+        parts = []
+        for k, v in self.source.items():
+            text = str(v)
+            parts.append(f"{k} {text[:12] + '...' if len(text) > 40 else text}")
+        return ", ".join(parts) or "no source recorded"
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "key": self.key}
+        return {**self.source, "tokens": self.tokens, "dim": self.dim, "dtype": self.dtype, "key": self.key}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RepaSpec:
-        image_size = d.get("image_size")
-        return cls(
-            encoder=str(d["encoder"]),
-            weights=None if d.get("weights") is None else str(d["weights"]),
-            weights_sha256=str(d["weights_sha256"]),
-            image_size=None if image_size is None else int(image_size),
-            tokens=int(d["tokens"]),
-            dim=int(d["dim"]),
-            dtype=str(d.get("dtype", "float16")),
-        )
+    def from_json(cls, name: str, d: Mapping[str, Any]) -> FeatureSpec:
+        source = {k: v for k, v in d.items() if k not in _FEATURE_FIELDS}
+        return cls(name, source, int(d["tokens"]), int(d["dim"]), str(d["key"]), str(d.get("dtype", "float16")))
 
 
-def load_repa_plan(root: PathLike) -> Optional[RepaSpec]:
-    """The REPA features settings of the store at ``root`` (``repa.json``), or None."""
-    path = os.path.join(os.fspath(root), REPA_PLAN_FILE)
+# The caller's remedy for a broken file of a feature set, after "delete FILE and ": e.g. the command
+# that computes it again. Called with the store's path, its settings and the feature set.
+FeaturesFix = Callable[[str, StoreSpec, FeatureSpec], str]
+
+
+def _features_fix(
+    fixes: Mapping[str, FeaturesFix], root: str, spec: StoreSpec, features: FeatureSpec, fname: str
+) -> str:
+    fix = fixes.get(features.name)
+    if fix is not None:
+        return f"delete {fname} and {fix(root, spec, features)}"
+    return (
+        f"delete {fname} and rerun what computed the store's {features.name} features ({features.describe()}) to "
+        "compute it again"
+    )
+
+
+def load_features_plan(root: PathLike, name: str) -> Optional[FeatureSpec]:
+    """The feature set ``name`` planned in the store at ``root`` (``NAME.json``), or None."""
+    path = os.path.join(os.fspath(root), f"{name}.json")
+    fix = f"delete it and the shards/*.{name}.npy files, and compute the features again"
     try:
-        d = read_json_file(path, "delete it and the shards/*.repa.npy files and rerun the features extraction")
+        d = read_json_file(path, fix)
     except FileNotFoundError:
         return None
     try:
-        return RepaSpec.from_json(d)
-    except (KeyError, TypeError, ValueError) as e:
-        raise StoreError(
-            f"{path} is not a REPA features record ({type(e).__name__}: {e}); delete it and the shards/*.repa.npy "
-            "files and rerun the features extraction"
-        ) from None
+        return FeatureSpec.from_json(name, d)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise StoreError(f"{path} is not a feature set's record ({type(e).__name__}: {e}); {fix}") from None
 
 
-def check_repa_identity(root: PathLike, old: RepaSpec, asked: dict[str, Any]) -> None:
-    """Refuse features of another encoder than ``asked`` (``RepaSpec.identity()`` fields): a store's
-    features all come from one encoder, never a mix."""
-    theirs = old.identity()
-    diff = {k: (theirs[k], v) for k, v in asked.items() if theirs.get(k) != v}
-    if diff:
-        raise StoreError(
-            f"{os.fspath(root)} already holds REPA features of another encoder ({_describe_diff(diff)}; the store's: "
-            f"--repa_encoder {old.encoder} with weights {old.weights or '(in the directory)'}, --repa_image_size "
-            f"{old.image_size}). Features of two encoders are never mixed: extract with the store's settings, or "
-            f"delete {REPA_PLAN_FILE} and shards/*{REPA_SUFFIX} in the store to replace its features"
-        )
-
-
-def write_repa_plan(root: PathLike, repa: RepaSpec) -> RepaSpec:
-    """Create ``repa.json`` or check that an existing one names the same encoder (like :func:`write_plan`)."""
+def write_features_plan(root: PathLike, features: FeatureSpec) -> FeatureSpec:
+    """Create ``NAME.json``, or return the one there (the ranks of one extraction race to write it),
+    which must have the same key. Whether an existing set was made by the same thing is the caller's
+    question, asked before: only it knows what its ``source`` means."""
     root = os.fspath(root)
-    old = load_repa_plan(root)
+    old = load_features_plan(root, features.name)
     if old is not None:
-        check_repa_identity(root, old, repa.identity())
-        if (old.tokens, old.dim) != (repa.tokens, repa.dim):
+        if (old.key, old.tokens, old.dim) != (features.key, features.tokens, features.dim):
             raise StoreError(
-                f"{root}: the encoder now gives features of {repa.tokens}x{repa.dim}, the store's were "
-                f"{old.tokens}x{old.dim}, with the same weights: delete {REPA_PLAN_FILE} and shards/*{REPA_SUFFIX} "
-                "to replace the features"
+                f"{root} already holds {features.name} features of other settings ({features.plan_file}: "
+                f"{old.tokens}x{old.dim}, key {old.key}; asked: {features.tokens}x{features.dim}, key "
+                f"{features.key}). Features of two settings are never mixed: delete {features.plan_file} and "
+                f"shards/*.{features.name}.npy in the store to replace them"
             )
         return old
     make_directory(os.path.join(root, SHARD_DIR))
-    write_json(os.path.join(root, REPA_PLAN_FILE), repa.to_json(), indent=1)
-    return repa
+    write_json(os.path.join(root, features.plan_file), features.to_json(), indent=1)
+    return features
 
 
 def shard_stem(k: int) -> str:
@@ -247,9 +280,9 @@ def data_path(root: PathLike, k: int) -> str:
     return _shard_paths(os.fspath(root), k)[0]
 
 
-def features_path(root: PathLike, k: int) -> str:
-    """The REPA features file of shard ``k``."""
-    return os.path.join(os.fspath(root), SHARD_DIR, shard_stem(k) + REPA_SUFFIX)
+def features_path(root: PathLike, k: int, name: str) -> str:
+    """The file of feature set ``name`` of shard ``k``."""
+    return os.path.join(os.fspath(root), SHARD_DIR, f"{shard_stem(k)}.{name}.npy")
 
 
 def write_plan(root: PathLike, spec: StoreSpec) -> StoreSpec:
@@ -333,26 +366,6 @@ def _check_format(d: dict[str, Any], path: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def file_sha256(path: str) -> str:
-    """The sha256 of a file's bytes, read in 4 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def tree_sha256(root: str) -> str:
-    """The sha256 of a directory: each file's path (relative, sorted) and the sha256 of its bytes."""
-    h = hashlib.sha256()
-    for dirpath, dirnames, files in os.walk(root):
-        dirnames.sort()  # os.walk descends in this order
-        for name in sorted(files):
-            full = os.path.join(dirpath, name)
-            h.update(f"{os.path.relpath(full, root)}\0{file_sha256(full)}\n".encode())
-    return h.hexdigest()
-
-
 def write_shard(
     root: PathLike,
     k: int,
@@ -362,14 +375,13 @@ def write_shard(
     sources: Sequence[str],
     report: Sequence[dict[str, Any]] = (),
     after_data_hook: Any = None,
-    features: Optional[np.ndarray] = None,
-    repa: Optional[RepaSpec] = None,
+    features: Sequence[tuple[FeatureSpec, np.ndarray]] = (),
 ) -> dict[str, Any]:
-    """Atomically write shard ``k``: data, labels, (REPA features), then its commit record.
+    """Atomically write shard ``k``: data, labels, feature sets, then its commit record.
 
     ``data`` is (n, F, K, C, H, W) in the storage dtype (uint16 bits for bfloat16), ``labels``
     (n,), ``sources`` the n input names, ``report`` the skipped/converted inputs of the shard,
-    ``features`` (n, F, T, D) float16 the patch features of encoder ``repa``.
+    ``features`` (feature set, its (n, F, T, D) float16 values) pairs.
     A crash before the commit record is written leaves a shard that does not count and is
     simply rewritten by the next run.
     """
@@ -382,8 +394,6 @@ def write_shard(
         raise ValueError(f"shard {k}: data dtype {data.dtype} != storage dtype {spec.np_dtype} ({spec.dtype})")
     if len(sources) != n:
         raise ValueError(f"shard {k}: {len(sources)} sources for {n} samples")
-    if (features is None) != (repa is None):
-        raise ValueError(f"shard {k}: features and repa go together")
     data_path, labels_path, record_path = _shard_paths(root, k)
     save_npy(data_path, data)
     if after_data_hook is not None:
@@ -401,31 +411,34 @@ def write_shard(
         "sources": list(sources),
         "report": list(report),
     }
-    if features is not None and repa is not None:
-        record["repa"] = _save_features(root, k, spec, repa, features, n)
+    for fs, values in features:
+        record[fs.name] = _save_features(root, k, spec, fs, values, n)
     write_json(record_path, record, indent=1)
     return record
 
 
-def _save_features(root: str, k: int, spec: StoreSpec, repa: RepaSpec, features: np.ndarray, n: int) -> dict[str, Any]:
-    """Write shard ``k``'s features file; its entry for the commit record."""
-    expected = (n, spec.num_flips, repa.tokens, repa.dim)
-    if tuple(features.shape) != expected or features.dtype != REPA_NP_DTYPE:
+def _save_features(
+    root: str, k: int, spec: StoreSpec, features: FeatureSpec, values: np.ndarray, n: int
+) -> dict[str, Any]:
+    """Write shard ``k``'s file of a feature set; its entry for the commit record."""
+    expected = (n, spec.num_flips, features.tokens, features.dim)
+    if tuple(values.shape) != expected or values.dtype != FEATURES_NP_DTYPE:
         raise ValueError(
-            f"shard {k}: features {tuple(features.shape)} {features.dtype}, expected {expected} {REPA_NP_DTYPE}"
+            f"shard {k}: {features.name} features {tuple(values.shape)} {values.dtype}, expected {expected} "
+            f"{FEATURES_NP_DTYPE}"
         )
-    if n and not np.isfinite(features).all():
+    if n and not np.isfinite(values).all():
         raise StoreError(
-            f"shard {k}: the REPA encoder {repa.encoder} gave non-finite features (or beyond float16's range): "
-            "check the encoder and its weights"
+            f"shard {k}: the {features.name} features computed for it hold non-finite values (NaN, inf, or beyond "
+            f"float16's range), so nothing was written: check what computes them ({features.describe()})"
         )
-    path = features_path(root, k)
-    save_npy(path, features)
+    path = features_path(root, k, features.name)
+    save_npy(path, values)
     return {
         "file": os.path.basename(path),
         "bytes": os.path.getsize(path),
         "sha256": file_sha256(path),
-        "key": repa.key,
+        "key": features.key,
     }
 
 
@@ -433,29 +446,35 @@ def write_features(
     root: PathLike,
     k: int,
     spec: StoreSpec,
-    repa: RepaSpec,
-    features: np.ndarray,
+    features: FeatureSpec,
+    values: np.ndarray,
     after_data_hook: Any = None,
 ) -> dict[str, Any]:
-    """Add REPA features to the committed shard ``k``: the features file, then the shard's commit
-    record rewritten (atomically) with their ``repa`` entry. Until that rewrite the features do not
-    count, so a kill in between only costs their recomputation."""
+    """Add a feature set's values to the committed shard ``k``: its file, then the shard's commit
+    record rewritten (atomically) with the set's entry. Until that rewrite the file does not count,
+    so a kill in between only costs its recomputation."""
     root = os.fspath(root)
     record = read_shard_record(root, k)
     if record is None:
         raise IncompleteStoreError(f"shard {k} of {root} is not written: features are added to committed shards only")
-    entry = _save_features(root, k, spec, repa, features, int(record["count"]))
+    entry = _save_features(root, k, spec, features, values, int(record["count"]))
     if after_data_hook is not None:
         after_data_hook()  # test hook: simulate a crash between the features and the commit record
-    record = {**record, "repa": entry}
+    record = {**record, features.name: entry}
     write_json(_shard_paths(root, k)[2], record, indent=1)
     return record
 
 
-def _features_done(root: str, record: Optional[dict[str, Any]], repa: RepaSpec) -> bool:
-    """Whether a commit record commits features of ``repa`` that are on disk whole."""
-    entry = (record or {}).get("repa")
-    if not isinstance(entry, dict) or entry.get("key") != repa.key:
+def _entry(record: Optional[Mapping[str, Any]], name: str) -> dict[str, Any]:
+    """A commit record's entry of feature set ``name``, {} when it has none."""
+    entry = (record or {}).get(name)
+    return entry if isinstance(entry, dict) else {}
+
+
+def _features_done(root: str, record: Optional[dict[str, Any]], features: FeatureSpec) -> bool:
+    """Whether a commit record commits a file of ``features`` (its key) that is on disk whole."""
+    entry = _entry(record, features.name)
+    if entry.get("key") != features.key:
         return False
     try:
         return os.path.getsize(os.path.join(root, SHARD_DIR, str(entry["file"]))) == int(entry["bytes"])
@@ -463,8 +482,10 @@ def _features_done(root: str, record: Optional[dict[str, Any]], repa: RepaSpec) 
         return False
 
 
-def features_status(root: PathLike, repa: RepaSpec, spec: Optional[StoreSpec] = None) -> tuple[list[int], list[int]]:
-    """(done, missing) shard ids for the features of ``repa``, among the committed shards."""
+def features_status(
+    root: PathLike, features: FeatureSpec, spec: Optional[StoreSpec] = None
+) -> tuple[list[int], list[int]]:
+    """(done, missing) shard ids for the feature set ``features``, among the committed shards."""
     root = os.fspath(root)
     spec = spec or load_plan(root)
     done: list[int] = []
@@ -472,7 +493,7 @@ def features_status(root: PathLike, repa: RepaSpec, spec: Optional[StoreSpec] = 
     for k in range(spec.num_shards):
         rec = read_shard_record(root, k)
         if rec is not None:
-            (done if _features_done(root, rec, repa) else missing).append(k)
+            (done if _features_done(root, rec, features) else missing).append(k)
     return done, missing
 
 
@@ -537,11 +558,13 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
     report = [e for r in records for e in r["report"]]
     write_bytes(os.path.join(root, REPORT_FILE), "".join(json.dumps(e, sort_keys=True) + "\n" for e in report).encode())
     count = int(sum(r["count"] for r in records))
-    # REPA features count only when every shard has them (a features pass still running, or killed,
-    # leaves the store as it was: usable, without features).
-    repa = load_repa_plan(root)
-    if repa is not None and not all(_features_done(root, r, repa) for r in records):
-        repa = None
+    # A feature set counts only when every shard has it (a features pass still running, or killed,
+    # leaves the store as it was: usable, without that set). Its name is the key of its entries.
+    complete: list[FeatureSpec] = []
+    for name in sorted({n for r in records for n, e in r.items() if isinstance(e, dict) and "key" in e}):
+        features = load_features_plan(root, name)
+        if features is not None and all(_features_done(root, r, features) for r in records):
+            complete.append(features)
     meta = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -559,11 +582,11 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
         "labels_file": LABELS_FILE,
         "labels_dtype": "int32",
     }
-    if repa is not None:
-        meta["repa"] = repa.to_json()
+    for features in complete:
+        meta[features.name] = features.to_json()
         for entry, r in zip(meta["shards"], records):
-            entry["repa_file"] = f"{SHARD_DIR}/{r['repa']['file']}"
-            entry["repa_bytes"] = r["repa"]["bytes"]
+            entry[f"{features.name}_file"] = f"{SHARD_DIR}/{r[features.name]['file']}"
+            entry[f"{features.name}_bytes"] = r[features.name]["bytes"]
     write_json(os.path.join(root, META_FILE), meta, indent=1)
     return meta
 
@@ -634,10 +657,15 @@ class LatentStore:
     """Read-only view of a finalised store, validated up front, memory-mapped lazily.
 
     Pickling sends only the path and metadata (the maps are reopened in each worker).
+
+    ``fixes``: by feature set name, the caller's remedy for a broken file of that set (what computes
+    it again), which the messages of :meth:`verify` and of opening give; without one they name what
+    the set's record says made it.
     """
 
-    def __init__(self, path: PathLike) -> None:
+    def __init__(self, path: PathLike, fixes: Optional[Mapping[str, FeaturesFix]] = None) -> None:
         self.path = os.fspath(path)
+        self._fixes: dict[str, FeaturesFix] = dict(fixes or {})
         meta_path = os.path.join(self.path, META_FILE)
         if not os.path.exists(meta_path):
             self._explain_missing_meta()
@@ -651,9 +679,10 @@ class LatentStore:
             shards = meta["shards"]
             counts = np.array([int(s["count"]) for s in shards], dtype=np.int64)
             self._files = [os.path.join(self.path, s["file"]) for s in shards]
-            # The REPA encoder's features, when the store has them (``extract --repa_encoder``).
-            self.repa: Optional[RepaSpec] = RepaSpec.from_json(meta["repa"]) if meta.get("repa") else None
-            self._repa_files = [os.path.join(self.path, s["repa_file"]) for s in shards] if self.repa else []
+            # The feature sets every shard has: each shard entry names their files ("NAME_file").
+            names = sorted(n[: -len("_file")] for n in (shards[0] if shards else {}) if n.endswith("_file"))
+            self.features: dict[str, FeatureSpec] = {n: FeatureSpec.from_json(n, meta[n]) for n in names}
+            self._feature_files = {n: [os.path.join(self.path, s[f"{n}_file"]) for s in shards] for n in names}
         except (KeyError, TypeError, ValueError) as e:
             problem = f"{type(e).__name__}: {e}"
             raise StoreError(f"{meta_path} is not a complete index ({problem}); {_refinalize(path)}") from None
@@ -667,8 +696,14 @@ class LatentStore:
             )
         for fname, n, entry in zip(self._files, counts, shards):
             self._validate_shard(fname, int(n), entry.get("bytes"))
-        for k, (fname, n, entry) in enumerate(zip(self._repa_files, counts, shards)):
-            self._validate_features(k, fname, int(n), entry.get("repa_bytes"))
+        for name, features in self.features.items():
+            for fname, n, entry in zip(self._feature_files[name], counts, shards):
+                expected = (int(n), self.num_flips, features.tokens, features.dim)
+                fix = self._features_fix(name, fname)
+                what = f"{name} features file"
+                _check_npy(
+                    fname, what, expected, "(count, flips, T, D)", FEATURES_NP_DTYPE, entry.get(f"{name}_bytes"), fix
+                )
         labels_path = os.path.join(self.path, meta.get("labels_file", LABELS_FILE))
         try:
             labels = np.load(labels_path)
@@ -686,7 +721,7 @@ class LatentStore:
             )
         self.labels: np.ndarray = labels.astype(np.int64)
         self._maps: dict[int, np.ndarray] = {}
-        self._repa_maps: dict[int, np.ndarray] = {}
+        self._feature_maps: dict[str, dict[int, np.ndarray]] = {n: {} for n in self.features}
 
     def _explain_missing_meta(self) -> None:
         if not os.path.isdir(self.path):
@@ -707,76 +742,94 @@ class LatentStore:
             )
         raise StoreError(f"{self.path} has no {META_FILE}: not a latent store")
 
-    def _validate_shard(self, fname: str, n: int, recorded_bytes: Optional[int] = None) -> None:
-        fix = (
+    @staticmethod
+    def _shard_fix(fname: str) -> str:
+        return (
             f"delete {fname} and its .json/.labels.npy siblings and rerun the extraction to rewrite it "
             f"(the other shards are kept), then finalize"
         )
+
+    def _validate_shard(self, fname: str, n: int, recorded_bytes: Optional[int] = None) -> None:
+        fix = self._shard_fix(fname)
         expected = (n, *self._sample_shape)
         _check_npy(
             fname, "shard", expected, "(count, flips, moments, C, H, W)", self.spec.np_dtype, recorded_bytes, fix
         )
 
-    def _features_fix(self, fname: str) -> str:
-        assert self.repa is not None
-        weights = f" --repa_weights <{self.repa.weights}>" if self.repa.weights else ""
-        # pixel stores ("none/pixels", vae.is_pixel_space) hold their images; VAE stores need theirs
-        image_root = "" if not self.spec.vae or self.spec.vae.startswith("none") else " --image_root <the images>"
-        return (
-            f"delete {fname} and rerun `dit-lightning extract --output {self.path} --repa_encoder {self.repa.encoder}"
-            f"{weights}{image_root}` to compute it again (only the missing features are computed)"
-        )
-
-    def _validate_features(self, k: int, fname: str, n: int, recorded_bytes: Optional[int] = None) -> None:
-        assert self.repa is not None
-        expected = (n, self.num_flips, self.repa.tokens, self.repa.dim)
-        fix = self._features_fix(fname)
-        _check_npy(fname, "REPA features file", expected, "(count, flips, T, D)", REPA_NP_DTYPE, recorded_bytes, fix)
+    def _features_fix(self, name: str, fname: str) -> str:
+        return _features_fix(self._fixes, self.path, self.spec, self.features[name], fname)
 
     def shard_record(self, k: int) -> dict[str, Any]:
         """The commit record (``shards/shard-KKKKK.json``) of shard ``k``: checksums, sources, report."""
         path = os.path.splitext(self._files[k])[0] + ".json"
+        fix = self._shard_fix(self._files[k])
         try:
-            record = read_json_file(path, f"delete shard {k}'s files and rerun the extraction to rewrite it")
+            record = read_json_file(path, fix)
         except FileNotFoundError:
-            raise StoreError(f"{path} (the commit record of shard {k}) is missing; the store is incomplete") from None
+            raise StoreError(
+                f"{path}, the commit record of shard {k}, is missing: the shard is not committed; {fix}"
+            ) from None
+        if not isinstance(record, dict):
+            raise StoreError(f"{path} is not a commit record; {fix}")
         return record
+
+    def _record_problems(self, k: int) -> tuple[dict[str, Any], list[str]]:
+        """Shard ``k``'s commit record ({} when unreadable) and what in it disagrees with the index."""
+        fname = self._files[k]
+        try:
+            record = self.shard_record(k)
+        except StoreError as e:
+            return {}, [str(e)]
+        problems = []
+        n, size = int(self._counts[k]), os.path.getsize(fname)
+        if record.get("count") != n or record.get("data_bytes") != size:
+            problems.append(
+                f"the commit record of shard {k} records {record.get('count')} samples in {record.get('data_bytes')} "
+                f"bytes, the index and {fname} {n} in {size}: it does not commit that file; {self._shard_fix(fname)}"
+            )
+        for name, features in self.features.items():
+            entry = _entry(record, name)
+            ffile = self._feature_files[name][k]
+            if entry.get("key") != features.key or entry.get("bytes") != os.path.getsize(ffile):
+                problems.append(
+                    f"{name} features file {ffile}: the commit record of shard {k} does not commit it (key "
+                    f"{entry.get('key')}, {entry.get('bytes')} bytes; the index: key {features.key}, the file "
+                    f"{os.path.getsize(ffile)} bytes); {self._features_fix(name, ffile)}"
+                )
+        return record, problems
+
+    def check_records(self, shards: Optional[Iterable[int]] = None) -> list[str]:
+        """What in the commit records of ``shards`` (default all) disagrees with the index: a record
+        missing or unreadable, another count or size of the data, a feature set's file not committed
+        (another key or size). Cheap: reads the records, not the data; :meth:`verify` includes it."""
+        return [p for k in (range(self.num_shards) if shards is None else shards) for p in self._record_problems(k)[1]]
 
     def verify(self, checksums: bool = True, values: bool = True, shards: Optional[Iterable[int]] = None) -> list[str]:
         """Problems of the shards ``shards`` (default all) beyond what opening checks (sizes):
-        data that changed since it was written (sha256 against the commit record, with
-        ``checksums``) and non-finite values (NaN / inf, with ``values``), of the latents and of
-        the REPA features when the store has them. Reads the data once."""
+        commit records that disagree with the index (:meth:`check_records`), data that changed since
+        it was written (sha256 against the commit record, with ``checksums``) and non-finite values
+        (NaN / inf, with ``values``), of the data and of every feature set. Reads the data once."""
         problems: list[str] = []
         for k in range(self.num_shards) if shards is None else shards:
             fname = self._files[k]
-            fix = f"delete {fname} and its .json/.labels.npy siblings and rerun the extraction to rewrite it"
-            record: dict[str, Any] = {}
-            if checksums:
-                try:
-                    record = self.shard_record(k)
-                except StoreError as e:
-                    problems.append(str(e))
-                    continue
+            fix = self._shard_fix(fname)
+            record, found = self._record_problems(k)
+            problems += found
             problem = _check_file(fname, "shard", record.get("data_sha256") if checksums else None, fix)
             if problem is None and values:
                 problem = _nonfinite_problem(fname, "shard", self._map(k), self.spec.dtype, self.num_flips, fix)
             if problem:
                 problems.append(problem)
-            if self.repa is not None:
-                rname = self._repa_files[k]
-                rfix = self._features_fix(rname)
-                entry = record.get("repa") or {}
-                if checksums and entry.get("key") != self.repa.key:
-                    problems.append(
-                        f"REPA features file {rname}: the commit record of shard {k} does not commit features of "
-                        f"this store's encoder (key {entry.get('key')}, the index has {self.repa.key}); {rfix}"
-                    )
-                    continue
-                problem = _check_file(rname, "REPA features file", entry.get("sha256") if checksums else None, rfix)
+            for name, features in self.features.items():
+                ffile, what = self._feature_files[name][k], f"{name} features file"
+                ffix = self._features_fix(name, ffile)
+                entry = _entry(record, name)
+                if record and entry.get("key") != features.key:
+                    continue  # said above: the record does not commit this file, so its checksum is not known
+                problem = _check_file(ffile, what, entry.get("sha256") if checksums else None, ffix)
                 if problem is None and values:
                     problem = _nonfinite_problem(
-                        rname, "REPA features file", self._repa_map(k), "float16", self.num_flips, rfix
+                        ffile, what, self._feature_map(name, k), "float16", self.num_flips, ffix
                     )
                 if problem:
                     problems.append(problem)
@@ -829,25 +882,28 @@ class LatentStore:
 
     # -- reads ---------------------------------------------------------------------
 
+    def _first_map(self) -> None:
+        if not self._maps and not any(self._feature_maps.values()):
+            _raise_nofile_limit(len(self._files) * (1 + len(self.features)))
+
     def _map(self, k: int) -> np.ndarray:
         arr = self._maps.get(k)
         if arr is None:
-            if not self._maps and not self._repa_maps:
-                _raise_nofile_limit(len(self._files) + len(self._repa_files))
+            self._first_map()
             mm = np.load(self._files[k], mmap_mode="r")
             # plain ndarray view: avoids np.memmap's per-slice bookkeeping in the hot loop
             arr = np.asarray(mm).reshape(-1, *self._sample_shape[1:])  # (n*F, K, C, H, W)
             self._maps[k] = arr
         return arr
 
-    def _repa_map(self, k: int) -> np.ndarray:
-        arr = self._repa_maps.get(k)
+    def _feature_map(self, name: str, k: int) -> np.ndarray:
+        maps = self._feature_maps[name]
+        arr = maps.get(k)
         if arr is None:
-            assert self.repa is not None
-            if not self._maps and not self._repa_maps:
-                _raise_nofile_limit(len(self._files) + len(self._repa_files))
-            arr = np.asarray(np.load(self._repa_files[k], mmap_mode="r")).reshape(-1, self.repa.tokens, self.repa.dim)
-            self._repa_maps[k] = arr  # (n*F, T, D)
+            self._first_map()
+            features = self.features[name]
+            arr = np.asarray(np.load(self._feature_files[name][k], mmap_mode="r"))
+            maps[k] = arr = arr.reshape(-1, features.tokens, features.dim)  # (n*F, T, D)
         return arr
 
     def read(
@@ -867,20 +923,22 @@ class LatentStore:
 
     def read_features(
         self,
+        name: str,
         indices: Union[np.ndarray, Sequence[int]],
         flip: Union[None, int, np.ndarray] = None,
         out: Optional[np.ndarray] = None,
     ) -> np.ndarray:
-        """The REPA encoder's patch features of ``indices``, float16: (B, F, T, D) with ``flip=None``,
-        (B, T, D) for one flip per sample (an int or a (B,) array), read like :meth:`read`.
-        Flip 1 holds the features of the mirrored image (the image flip 1 of :meth:`read` encodes)."""
-        if self.repa is None:
+        """Feature set ``name`` of ``indices``, float16: (B, F, T, D) with ``flip=None``, (B, T, D) for
+        one flip per sample (an int or a (B,) array), read like :meth:`read`. Flip 1 holds the
+        features of the mirrored sample (the one flip 1 of :meth:`read` holds)."""
+        features = self.features.get(name)
+        if features is None:
             raise StoreError(
-                f"{self.path} holds no REPA features: add them with `dit-lightning extract --output {self.path} "
-                "--repa_encoder ... --repa_weights ...`"
+                f"{self.path} holds no {name} features (its index lists {sorted(self.features) or 'none'}): "
+                "compute them into the store first (a set counts once every shard has it)"
             )
-        sample = (self.repa.tokens, self.repa.dim)
-        return self._gather(self._repa_map, sample, REPA_NP_DTYPE, indices, flip, out)
+        rows = (features.tokens, features.dim)
+        return self._gather(lambda k: self._feature_map(name, k), rows, FEATURES_NP_DTYPE, indices, flip, out)
 
     def _gather(
         self,
@@ -951,19 +1009,20 @@ class LatentStore:
     def close(self) -> None:
         """Drop the memory maps (they are reopened on the next read)."""
         self._maps.clear()
-        self._repa_maps.clear()
+        for maps in self._feature_maps.values():
+            maps.clear()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_maps"] = {}
-        state["_repa_maps"] = {}
+        state["_feature_maps"] = {n: {} for n in self.features}
         return state
 
     def __repr__(self) -> str:
         return (
             f"LatentStore({self.path!r}, n={len(self)}, latent_shape={self.latent_shape}, "
             f"variant={self.variant!r}, dtype={self.dtype!r}, flips={self.flips}, classes={self.num_classes}"
-            + (f", repa={self.repa.encoder!r} {self.repa.tokens}x{self.repa.dim}" if self.repa else "")
+            + "".join(f", {n}={f.tokens}x{f.dim}" for n, f in self.features.items())
             + ")"
         )
 
@@ -1037,12 +1096,14 @@ def _nonfinite(rows: np.ndarray, dtype: str, chunk: int = 4096) -> Optional[tupl
     return (count, first) if count else None
 
 
-def verify_store(path: PathLike, checksums: bool = True, values: bool = True) -> list[str]:
+def verify_store(
+    path: PathLike, checksums: bool = True, values: bool = True, fixes: Optional[Mapping[str, FeaturesFix]] = None
+) -> list[str]:
     """Everything wrong with the store at ``path``: what opening it finds (missing, truncated or
-    resized files, a corrupt index), then checksums and non-finite values (see
-    :meth:`LatentStore.verify`). An empty list: the store is as it was written."""
+    resized files, a corrupt index), then the commit records, checksums and non-finite values (see
+    :meth:`LatentStore.verify`; ``fixes`` as there). An empty list: the store is as it was written."""
     try:
-        store = LatentStore(path)
+        store = LatentStore(path, fixes)
     except StoreError as e:
         return [str(e)]
     return store.verify(checksums=checksums, values=values)
@@ -1054,9 +1115,22 @@ def store_info(path: PathLike) -> dict[str, Any]:
 
 
 # Names a store directory may hold: its files, the shards directory, and temporaries of atomic writes.
-_STORE_FILES = {META_FILE, PLAN_FILE, REPA_PLAN_FILE, LABELS_FILE, SOURCES_FILE, REPORT_FILE}
-_SHARD_FILE = re.compile(r"^shard-\d{5,}(\.npy|\.labels\.npy|\.json|\.repa\.npy)$")
+_STORE_FILES = {META_FILE, PLAN_FILE, LABELS_FILE, SOURCES_FILE, REPORT_FILE}
+_SHARD_FILE = re.compile(r"^shard-\d{5,}(\.npy|\.json|\.[a-z][a-z0-9_]*\.npy)$")  # .labels.npy, .NAME.npy
 _TEMPORARY = re.compile(r"^\..+\.tmp$")
+
+
+def _is_features_record(root: str, name: str) -> bool:
+    """Whether ``root/name`` is a feature set's record (``NAME.json``): a readable one, or a damaged
+    one whose shard files are there."""
+    stem, ext = os.path.splitext(name)
+    if ext != ".json" or not _FEATURE_NAME.match(stem) or stem in _RESERVED_NAMES:
+        return False
+    try:
+        return load_features_plan(root, stem) is not None
+    except StoreError:
+        shard_dir = os.path.join(root, SHARD_DIR)
+        return os.path.isdir(shard_dir) and any(n.endswith(f".{stem}.npy") for n in os.listdir(shard_dir))
 
 
 def foreign_entries(root: PathLike) -> list[str]:
@@ -1071,7 +1145,9 @@ def foreign_entries(root: PathLike) -> list[str]:
                 for n in sorted(os.listdir(full))
                 if not (_SHARD_FILE.match(n) or _TEMPORARY.match(n)) or not os.path.isfile(os.path.join(full, n))
             ]
-        elif not ((name in _STORE_FILES or _TEMPORARY.match(name)) and os.path.isfile(full)):
+        elif not (
+            (name in _STORE_FILES or _TEMPORARY.match(name) or _is_features_record(root, name)) and os.path.isfile(full)
+        ):
             foreign.append(name)
     return foreign
 

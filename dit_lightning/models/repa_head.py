@@ -11,6 +11,8 @@ Plain PyTorch: the encoders are loaded from local files by :mod:`.encoders`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,6 +54,24 @@ class EncoderIdentity:
 
     def record(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def store_record(self, weights: Optional[str]) -> dict[str, Any]:
+        """What a latent store records of the encoder behind its features (the feature set's source):
+        the identity and the weights file's name (None for a directory); ``weights_sha256`` is ""
+        for an encoder without weights."""
+        return {
+            "encoder": self.encoder,
+            "weights": weights,
+            "weights_sha256": self.weights_sha256 or "",
+            "image_size": self.image_size,
+        }
+
+    def features_key(self, tokens: int, dim: int, dtype: str = "float16") -> str:
+        """A short hash of the identity and the features' shape: a store's commit records carry it, so
+        a features file written for another encoder never counts (the weights file's name may differ)."""
+        d = {**self.store_record(None), "tokens": tokens, "dim": dim, "dtype": dtype}
+        del d["weights"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def _name_key(self) -> str:
         # a directory is identified by its files' hash: a copy elsewhere is the same encoder

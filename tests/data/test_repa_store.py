@@ -6,6 +6,7 @@ class path, as a user's encoder is), so every value below is a real encoder outp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -17,11 +18,13 @@ import torch
 from dit_lightning.data import store as st
 from dit_lightning.data.datamodule import LatentDataModule
 from dit_lightning.data.digits import prepare_digits
-from dit_lightning.data.extract import EXIT_AFTER_ENV, extract_latents
+from dit_lightning.data.extract import EXIT_AFTER_ENV, REPA_FIXES, extract_latents, repa_feature_spec
 from dit_lightning.data.preprocessing import preprocess
 from dit_lightning.data.rng import flip_bits
+from dit_lightning.hashing import file_sha256
 from dit_lightning.models.encoders import load_encoder
 from dit_lightning.models.repa import DigitsEncoder, REPAOptions
+from dit_lightning.models.repa_head import EncoderIdentity
 from tests.helpers.data import make_image_folder, make_tiny_vae, tree_bytes
 
 DIGITS = "dit_lightning.models.repa.DigitsEncoder"
@@ -93,16 +96,17 @@ def env(tmp_path_factory):
 def test_pixel_store_features_are_the_encoders_output(env):
     s = st.LatentStore(env["feat"])
     assert env["summary"]["finalized"] and env["summary"]["features_written"] == 2
-    assert s.repa is not None and (s.repa.tokens, s.repa.dim) == (16, 64) and s.repa.encoder == DIGITS
-    assert s.repa.weights == "enc.pt" and s.repa.image_size is None
+    fs = s.features["repa"]
+    assert (fs.tokens, fs.dim) == (16, 64) and fs.source["encoder"] == DIGITS
+    assert fs.source["weights"] == "enc.pt" and fs.source["image_size"] is None
     meta = json.load(open(os.path.join(env["feat"], "meta.json")))
     assert meta["repa"]["tokens"] == 16 and meta["repa"]["dim"] == 64 and len(meta["repa"]["weights_sha256"]) == 64
     assert [e["repa_file"] for e in meta["shards"]] == ["shards/shard-00000.repa.npy", "shards/shard-00001.repa.npy"]
     record = s.shard_record(1)
-    assert record["repa"]["key"] == s.repa.key and record["repa"]["bytes"] == os.path.getsize(
+    assert record["repa"]["key"] == fs.key and record["repa"]["bytes"] == os.path.getsize(
         os.path.join(env["feat"], "shards", "shard-00001.repa.npy")
     )
-    feats = s.read_features(np.arange(len(s)))  # (N, F=1, T, D) float16
+    feats = s.read_features("repa", np.arange(len(s)))  # (N, F=1, T, D) float16
     assert feats.shape == (1797, 1, 16, 64) and feats.dtype == np.float16
     pixels = torch.from_numpy(s.read(np.arange(len(s)), flip=0)[:, 0].astype(np.float32))  # (N, 1, 8, 8)
     want = _encode(DIGITS, env["weights"], (pixels + 1) / 2)
@@ -123,12 +127,14 @@ def test_flip_one_holds_the_features_of_the_mirrored_image(env):
     pixels = torch.from_numpy(s.read(idx).astype(np.float32)[:, :, 0])  # (B, F, 1, 8, 8)
     for f in (0, 1):
         want = _encode(DIGITS, env["weights"], (pixels[:, f] + 1) / 2)
-        np.testing.assert_allclose(s.read_features(idx, flip=f).astype(np.float32), want, rtol=2e-3, atol=2e-4)
+        np.testing.assert_allclose(s.read_features("repa", idx, flip=f).astype(np.float32), want, rtol=2e-3, atol=2e-4)
     mirrored = _encode(DIGITS, env["weights"], (pixels[:, 0].flip(-1) + 1) / 2)
-    np.testing.assert_allclose(s.read_features(idx, flip=1).astype(np.float32), mirrored, rtol=2e-3, atol=2e-4)
-    assert not np.allclose(s.read_features(idx, flip=0), s.read_features(idx, flip=1), atol=0.01)
+    np.testing.assert_allclose(s.read_features("repa", idx, flip=1).astype(np.float32), mirrored, rtol=2e-3, atol=2e-4)
+    assert not np.allclose(s.read_features("repa", idx, flip=0), s.read_features("repa", idx, flip=1), atol=0.01)
     flips = np.array([1, 0, 1, 1])
-    np.testing.assert_array_equal(s.read_features(idx, flip=flips), s.read_features(idx)[np.arange(4), flips])
+    np.testing.assert_array_equal(
+        s.read_features("repa", idx, flip=flips), s.read_features("repa", idx)[np.arange(4), flips]
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -146,13 +152,13 @@ def test_batch_repa_is_the_features_of_the_flip_x_holds(env, workers):
         flip = flip_bits(3, 0, idx)
         flipped_some |= bool(flip.any() and not flip.all())
         assert b["repa"].shape == (8, 16, 64) and b["repa"].dtype == torch.float32
-        np.testing.assert_array_equal(b["repa"].numpy(), s.read_features(idx, flip=flip).astype(np.float32))
+        np.testing.assert_array_equal(b["repa"].numpy(), s.read_features("repa", idx, flip=flip).astype(np.float32))
         np.testing.assert_array_equal(b["x"].numpy(), s.read(idx, flip=flip)[:, 0].astype(np.float32))
     assert flipped_some  # the batches mix both flips, so a wrong flip would show
     val = list(dm.val_dataloader())
     vi = np.concatenate([v["index"].numpy() for v in val])
     np.testing.assert_array_equal(
-        np.concatenate([v["repa"].numpy() for v in val]), s.read_features(vi, flip=0).astype(np.float32)
+        np.concatenate([v["repa"].numpy() for v in val]), s.read_features("repa", vi, flip=0).astype(np.float32)
     )
     off = LatentDataModule(env["flipped"], global_batch_size=8, num_workers=workers, repa_features=False)
     assert off.repa_spec is None and set(next(iter(off.train_dataloader()))) == {"x", "y", "index"}
@@ -176,11 +182,11 @@ def test_killed_features_pass_resumes_to_identical_bytes(env, exit_after):
     proc.start()
     proc.join(120)
     assert proc.exitcode == 17  # os._exit from the test hook, no cleanup ran
-    repa = st.load_repa_plan(out)
+    repa = st.load_features_plan(out, "repa")
     assert repa is not None and st.features_status(out, repa) == (([0], [1]) if exit_after == "1" else ([], [0, 1]))
     if exit_after == "0+":
         assert os.path.exists(os.path.join(out, "shards", "shard-00000.repa.npy"))  # written, not committed
-    assert st.LatentStore(out).repa is None  # meantime the store reads as before: latents, no features
+    assert st.LatentStore(out).features == {}  # meantime the store reads as before: latents, no features
     summary = extract_latents(output=out, repa_encoder=DIGITS, repa_weights=env["weights"], **QUIET)
     assert summary["finalized"] and summary["features_written"] == (1 if exit_after == "1" else 2)
     assert tree_bytes(out) == tree_bytes(env["feat"])
@@ -194,17 +200,17 @@ def test_verify_names_a_corrupt_or_truncated_features_file(env):
     with open(f, "r+b") as fh:  # same size, other bytes: only the checksum can tell
         fh.seek(size - 64)
         fh.write(b"\x01" * 16)
-    problems = st.verify_store(bad)
+    problems = st.verify_store(bad, fixes=REPA_FIXES)
     assert len(problems) == 1 and "shard-00001.repa.npy changed since it was written" in problems[0]
     assert f"--repa_encoder {DIGITS}" in problems[0] and "delete" in problems[0]
     with open(f, "r+b") as fh:  # NaN (float16 0x7e00) where a value was: the values scan finds it
         fh.seek(size - 64)
         fh.write(b"\x00\x7e" * 8)
-    assert "holds 8 non-finite values" in st.verify_store(bad, checksums=False)[0]
+    assert "holds 8 non-finite values" in st.verify_store(bad, checksums=False, fixes=REPA_FIXES)[0]
     with open(f, "r+b") as fh:
         fh.truncate(size - 100)
-    with pytest.raises(st.StoreError, match=r"REPA features file .*shard-00001.repa.npy is truncated.*repa_encoder"):
-        st.LatentStore(bad)
+    with pytest.raises(st.StoreError, match=r"repa features file .*shard-00001.repa.npy is truncated.*repa_encoder"):
+        st.LatentStore(bad, REPA_FIXES)
     os.remove(f)  # the fix the message gives: delete it and rerun; only that shard is computed again
     summary = extract_latents(output=bad, repa_encoder=DIGITS, repa_weights=env["weights"], **QUIET)
     assert summary["features_written"] == 1 and tree_bytes(bad) == tree_bytes(env["feat"])
@@ -212,9 +218,9 @@ def test_verify_names_a_corrupt_or_truncated_features_file(env):
 
 def test_features_of_other_settings_are_refused(env):
     before = tree_bytes(env["feat"])
-    with pytest.raises(st.StoreError, match="another encoder.*weights_sha256 differs.*never mixed"):
+    with pytest.raises(st.StoreError, match=r"another encoder than the one asked: weights sha256 .*never mixed"):
         extract_latents(output=env["feat"], repa_encoder=DIGITS, repa_weights=env["other"], **QUIET)
-    with pytest.raises(st.StoreError, match="image_size: store has None, asked 16"):
+    with pytest.raises(st.StoreError, match=r"image size 16 \(the store's: None\)"):
         extract_latents(
             output=env["feat"], repa_encoder=DIGITS, repa_weights=env["weights"], repa_image_size=16, **QUIET
         )
@@ -238,13 +244,16 @@ def test_vae_store_features_inline_and_added_later(env):
     args = dict(vae=vae, image_size=16, batch_size=3, shard_size=4, limit=7, **QUIET)
     inline = extract_latents(images, str(root / "vae_inline"), repa_encoder=RGB, repa_weights=weights, **args)
     s = st.LatentStore(inline["output"])
-    assert s.repa is not None and (s.repa.tokens, s.repa.dim) == (64, 8) and len(s) == 7
+    assert (s.features["repa"].tokens, s.features["repa"].dim) == (64, 8) and len(s) == 7
     sources = open(os.path.join(inline["output"], "sources.txt")).read().split()
     x = torch.stack([preprocess(os.path.join(images, p), 16)[0] for p in sources])  # the VAE's input, [-1, 1]
     x = (x + 1) / 2
     for f, img in enumerate([x, x.flip(-1)]):
         np.testing.assert_allclose(
-            s.read_features(np.arange(7), flip=f).astype(np.float32), _encode(RGB, weights, img), rtol=2e-3, atol=2e-4
+            s.read_features("repa", np.arange(7), flip=f).astype(np.float32),
+            _encode(RGB, weights, img),
+            rtol=2e-3,
+            atol=2e-4,
         )
     # a shard lost mid-extraction: resuming without the --repa_* arguments would leave it without features
     resumed = str(root / "vae_resumed")
@@ -256,7 +265,7 @@ def test_vae_store_features_inline_and_added_later(env):
     assert again["shards_written"] == 1 and tree_bytes(resumed) == tree_bytes(inline["output"])
     later = str(root / "vae_later")
     extract_latents(images, later, **args)  # latents only, long ago
-    assert st.LatentStore(later).repa is None
+    assert st.LatentStore(later).features == {}
     elsewhere = str(root / "images2")
     make_image_folder(elsewhere, with_bad=False, seed=1)
     os.remove(os.path.join(elsewhere, "cls_a", "img_0.JPEG"))
@@ -265,8 +274,8 @@ def test_vae_store_features_inline_and_added_later(env):
     summary = extract_latents(images, later, repa_encoder=RGB, repa_weights=weights, **QUIET)
     assert summary["features_written"] == 2 and summary["finalized"]
     np.testing.assert_allclose(
-        st.LatentStore(later).read_features(np.arange(7)).astype(np.float32),
-        s.read_features(np.arange(7)).astype(np.float32),
+        st.LatentStore(later).read_features("repa", np.arange(7)).astype(np.float32),
+        s.read_features("repa", np.arange(7)).astype(np.float32),
         atol=2e-4,
     )
 
@@ -278,3 +287,81 @@ def test_extract_signature_has_the_repa_arguments():
     parser.add_function_arguments(extract_latents)
     cfg = parser.parse_args(["--output", "b", "--repa_encoder", "dinov2-vitb14", "--repa_weights", "w.pth"])
     assert cfg.repa_encoder == "dinov2-vitb14" and cfg.repa_weights == "w.pth" and cfg.repa_image_size is None
+
+
+LEGACY = os.path.join(os.path.dirname(__file__), "legacy_repa_store")
+PATCH = "tests.helpers.data.PatchEncoder"
+
+
+def _legacy_inputs() -> tuple[st.StoreSpec, np.ndarray, np.ndarray]:
+    """The plan, pixels (6, F=2, 1, 1, 8, 8) and labels of tests/data/legacy_repa_store."""
+    spec = st.StoreSpec(
+        latent_shape=(1, 8, 8), dtype="float16", variant="sample", flips=True, scale_factor=1.0, vae="none/pixels",
+        image_size=8, class_names=("a", "b"), source="fixture", num_items=6, shard_size=4, preprocessing="none",
+    )  # fmt: skip
+    x = ((np.arange(6 * 64).reshape(6, 1, 8, 8) % 17) / 8 - 1).astype(np.float32)
+    return spec, np.stack([x, x[..., ::-1]], 1)[:, :, None].astype(np.float16), (np.arange(6) % 2).astype(np.int32)
+
+
+def test_a_store_written_before_feature_sets_were_generic_reads_and_is_written_byte_for_byte(tmp_path):
+    """tests/data/legacy_repa_store was written by the REPA-specific store code (commit 3236292; the
+    encoder's features are exact, so its bytes are the same on every machine): shard 0 with its features
+    inline, shard 1 by a features pass. It reads and verifies unchanged, its key is the one computed
+    today, and today's code writes the same bytes from the same inputs."""
+    old, weights = os.path.join(LEGACY, "store"), os.path.join(LEGACY, "patch.pt")
+    s = st.LatentStore(old, REPA_FIXES)
+    fs = s.features["repa"]
+    identity = EncoderIdentity.of(REPAOptions(encoder=PATCH, weights=weights))
+    assert fs.source == identity.store_record("patch.pt") and (fs.tokens, fs.dim) == (16, 4)
+    assert fs.key == identity.features_key(16, 4) == "984484fc9d0a0a19"
+    # the key's rule, written out: sha256 of the sorted JSON of these six fields, its first 16 hex digits
+    d = {"encoder": PATCH, "weights_sha256": file_sha256(weights), "image_size": None, "tokens": 16, "dim": 4}
+    assert fs.key == hashlib.sha256(json.dumps({**d, "dtype": "float16"}, sort_keys=True).encode()).hexdigest()[:16]
+    assert st.verify_store(old) == [] and s.check_records() == [] and st.foreign_entries(old) == []
+    spec, data, labels = _legacy_inputs()
+    images = (torch.from_numpy(data[:, :, 0].astype(np.float32)).flatten(0, 1) + 1) / 2
+    want = _encode(PATCH, weights, images).reshape(6, 2, 16, 4).astype(np.float16)
+    np.testing.assert_array_equal(s.read_features("repa", np.arange(6)), want)
+    dm = LatentDataModule(old, global_batch_size=2, num_workers=0)
+    assert dm.repa_spec == json.load(open(os.path.join(old, "repa.json"))) and dm.repa_unfinished is None
+
+    new = str(tmp_path / "store")  # the same steps with today's code
+    st.write_plan(new, spec)
+    features = st.write_features_plan(new, repa_feature_spec(identity, "patch.pt", 16, 4))
+    a, b = spec.shard_range(0)
+    st.write_shard(
+        new, 0, spec, data[a:b], labels[a:b], [f"img{i}" for i in range(a, b)], features=[(features, want[a:b])]
+    )
+    a, b = spec.shard_range(1)
+    st.write_shard(new, 1, spec, data[a:b], labels[a:b], [f"img{i}" for i in range(a, b)])
+    summary = extract_latents(output=new, repa_encoder=PATCH, repa_weights=weights, **QUIET)
+    assert summary["features_written"] == 1 and summary["finalized"]
+    assert tree_bytes(new) == tree_bytes(old)
+
+
+def test_training_refuses_a_store_whose_commit_records_disagree_with_its_index(env, tmp_path):
+    """What ``verify`` reports of the commit records, the DataModule refuses too (cheaply: the records,
+    not the data): a shard's record gone, or one committing another encoder's features file."""
+    missing, other = str(tmp_path / "missing"), str(tmp_path / "other")
+    shutil.copytree(env["feat"], missing)
+    shutil.copytree(env["feat"], other)
+    os.remove(os.path.join(missing, "shards", "shard-00001.json"))
+    record = os.path.join(other, "shards", "shard-00000.json")
+    rec = json.load(open(record))
+    json.dump({**rec, "repa": {**rec["repa"], "key": "0123456789abcdef"}}, open(record, "w"))
+    for path, problem in (
+        (missing, "shard-00001.json, the commit record of shard 1, is missing: the shard is not committed"),
+        (other, "the commit record of shard 0 does not commit it (key 0123456789abcdef"),
+    ):
+        with pytest.raises(st.StoreError, match="inconsistent, not trained on") as refused:
+            LatentDataModule(path, global_batch_size=8, num_workers=0)
+        assert problem in str(refused.value) and f"dit-lightning verify {path}" in str(refused.value)
+        found = st.verify_store(path, fixes=REPA_FIXES)
+        assert len(found) == 1 and problem in found[0] and found[0] in str(refused.value)
+    fix = f"rerun `dit-lightning extract --output {other} --repa_encoder {DIGITS} --repa_weights <enc.pt>`"
+    assert fix in found[0]
+    from dit_lightning.commands.verify import VerificationError, verify
+
+    with pytest.raises(VerificationError, match="1 problem") as reported:
+        verify(other)
+    assert fix in str(reported.value)  # the command names REPA's remedy

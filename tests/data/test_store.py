@@ -144,3 +144,70 @@ def test_pickled_store_reopens_maps(small_store):
     clone = pickle.loads(pickle.dumps(small_store))
     assert clone._maps == {}
     np.testing.assert_array_equal(clone.read([5, 40]), small_store.read([5, 40]))
+
+
+def test_named_feature_sets_are_kept_without_being_understood(tmp_path):
+    """Any caller's feature sets, side by side: written with the shard or added later, counted only once
+    every shard has them, read per flip, verified, their records opaque to the store; a name that would
+    collide with the store's own files or keys is refused."""
+    spec = st.StoreSpec((1, 2, 2), "float16", "sample", True, 1.0, "none/pixels", 2, ("a",), "x", 5, 3)
+    st.write_plan(tmp_path, spec)
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(5, 2, 1, 1, 2, 2)).astype(np.float16)
+    sets = {
+        "alpha": st.FeatureSpec("alpha", {"made_by": "one thing", "opaque": [1, {"x": None}]}, 3, 2, key="k-alpha"),
+        "beta_2": st.FeatureSpec("beta_2", {}, 1, 4, key="k-beta"),
+    }
+    values = {n: rng.normal(size=(5, 2, f.tokens, f.dim)).astype(np.float16) for n, f in sets.items()}
+    for f in sets.values():
+        assert st.write_features_plan(tmp_path, f) == f
+    for k in range(spec.num_shards):
+        a, b = spec.shard_range(k)
+        inline = [(sets["alpha"], values["alpha"][a:b])]
+        st.write_shard(tmp_path, k, spec, data[a:b], np.zeros(b - a, np.int32), ["s"] * (b - a), features=inline)
+    st.finalize_store(tmp_path)
+    s = st.LatentStore(tmp_path)
+    assert list(s.features) == ["alpha"]  # beta_2 is planned, in no shard yet: it does not count
+    st.write_features(tmp_path, 0, spec, sets["beta_2"], values["beta_2"][:3])
+    assert st.features_status(tmp_path, sets["beta_2"]) == ([0], [1])
+    st.write_features(tmp_path, 1, spec, sets["beta_2"], values["beta_2"][3:])
+    st.finalize_store(tmp_path)
+    s = st.LatentStore(tmp_path)
+    assert s.features == sets and json.load(open(tmp_path / "meta.json"))["alpha"]["opaque"] == [1, {"x": None}]
+    idx, flip = np.array([4, 0, 3]), np.array([1, 0, 1])
+    for n in sets:
+        np.testing.assert_array_equal(s.read_features(n, idx, flip=flip), values[n][idx, flip])
+        np.testing.assert_array_equal(s.read_features(n, idx), values[n][idx])
+    assert st.verify_store(tmp_path) == [] and st.foreign_entries(tmp_path) == []
+    with pytest.raises(st.StoreError, match="holds no gamma features"):
+        s.read_features("gamma", idx)
+    with pytest.raises(st.StoreError, match="already holds alpha features of other settings"):
+        st.write_features_plan(tmp_path, st.FeatureSpec("alpha", {}, 3, 2, key="other"))
+    # a broken file: the message names what made it, or the caller's remedy
+    with open(tmp_path / "shards" / "shard-00001.alpha.npy", "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(st.StoreError, match="alpha features file .* rerun what computed .*made_by one thing"):
+        st.LatentStore(tmp_path)
+    fixes = {"alpha": lambda root, plan, f: f"run `make-alpha {root}` ({plan.num_items} items, key {f.key})"}
+    with pytest.raises(st.StoreError, match=f"and run `make-alpha {tmp_path}` \\(5 items, key k-alpha\\)"):
+        st.LatentStore(tmp_path, fixes)
+    for bad in ("labels", "count", "Alpha", "9x", "a.b"):
+        with pytest.raises(ValueError, match="feature set name"):
+            st.FeatureSpec(bad, {}, 1, 1, key="k")
+    with pytest.raises(ValueError, match="may not hold the store's fields"):
+        st.FeatureSpec("x", {"key": 1}, 1, 1, key="k")
+
+
+def test_commit_records_that_disagree_with_the_index_are_found_cheaply(small_store, tmp_path):
+    path = str(tmp_path / "s")
+    shutil.copytree(small_store.path, path)
+    assert st.LatentStore(path).check_records() == []
+    record = os.path.join(path, "shards", "shard-00002.json")
+    rec = json.load(open(record))
+    json.dump({**rec, "count": rec["count"] - 1}, open(record, "w"))
+    os.remove(os.path.join(path, "shards", "shard-00003.json"))
+    problems = st.LatentStore(path).check_records()
+    assert len(problems) == 2, problems
+    assert "commit record of shard 2 records 15 samples" in problems[0] and "rerun the extraction" in problems[0]
+    assert "shard-00003.json, the commit record of shard 3, is missing: the shard is not committed" in problems[1]
+    assert st.verify_store(path, checksums=False, values=False) == problems  # verify reports them too

@@ -9,6 +9,7 @@ import os
 from typing import Any, Optional
 
 import numpy as np
+import torch
 
 from dit_lightning.data import store as st
 
@@ -161,3 +162,19 @@ def tree_bytes(path: str) -> dict[str, bytes]:
             with open(full, "rb") as fh:
                 out[os.path.relpath(full, path)] = fh.read()
     return out
+
+
+class PatchEncoder(torch.nn.Module):
+    """A REPA encoder whose features are exact on every machine: each 2x2 patch's pixels of an
+    (N, 1, 8, 8) image, times a per-value weight (elementwise only: no reduction whose rounding could
+    differ), so (N, 16, 4) features. Loaded by class path (``tests.helpers.data.PatchEncoder``) with
+    its weights file, as a user's encoder is; the legacy store fixture records this name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = images.shape
+        patches = images.reshape(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return patches.reshape(n, (h // 2) * (w // 2), c * 4) * self.scale

@@ -8,7 +8,7 @@
 - weights files are read weights-only (safetensors preferred): a pickle naming code, an empty or
   truncated file and the weights of another network are each refused in one message naming the file;
 - a class-path encoder without weights is refused unless its class declares ``needs_weights = False``;
-- ``encoder_weights_sha256`` identifies the weights a run used.
+- ``EncoderIdentity.of`` identifies the weights a run used (``extract`` records the same hash).
 
 The marker file ``PWNED`` would be created by the code of the directory, module or pickle.
 """
@@ -25,11 +25,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dit_lightning.data.extract import encoder_weights_sha256
-from dit_lightning.data.store import file_sha256, tree_sha256
+from dit_lightning.hashing import file_sha256, tree_sha256
 from dit_lightning.models import encoders
 from dit_lightning.models.encoders import load_encoder, resolve_encoder_class
 from dit_lightning.models.repa import DigitsEncoder, REPAOptions
+from dit_lightning.models.repa_head import EncoderIdentity
 from dit_lightning.safe_read import TRUSTED_CLASSES_ENV, UnsafeFileError, UntrustedClassError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -252,11 +252,12 @@ def test_a_class_path_without_weights_is_refused_unless_its_class_needs_none(tmp
 
 
 def test_the_weights_hash_is_the_files_or_the_directorys(tmp_path):
+    def sha(options: REPAOptions):
+        return EncoderIdentity.of(options).weights_sha256
+
     torch.save(DigitsEncoder().state_dict(), tmp_path / "enc.pt")
     _tiny_dinov2(tmp_path / "dino")
-    assert encoder_weights_sha256(REPAOptions(encoder=DIGITS, weights=str(tmp_path / "enc.pt"))) == file_sha256(
-        str(tmp_path / "enc.pt")
-    )
-    assert encoder_weights_sha256(REPAOptions(encoder=str(tmp_path / "dino"))) == tree_sha256(str(tmp_path / "dino"))
-    assert encoder_weights_sha256(REPAOptions(encoder=f"{__name__}.FixedEncoder")) is None
-    assert encoder_weights_sha256(REPAOptions()) is None
+    assert sha(REPAOptions(encoder=DIGITS, weights=str(tmp_path / "enc.pt"))) == file_sha256(str(tmp_path / "enc.pt"))
+    assert sha(REPAOptions(encoder=str(tmp_path / "dino"))) == tree_sha256(str(tmp_path / "dino"))
+    assert sha(REPAOptions(encoder=f"{__name__}.FixedEncoder")) is None
+    assert sha(REPAOptions()) is None
