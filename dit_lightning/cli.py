@@ -119,15 +119,20 @@ def _closest(given: str, options: list[str]) -> Optional[str]:
     return ranked[0] + (f" (or {', '.join(others)})" if others else "")
 
 
-def _class_options(class_path: str) -> list[str]:
-    """The init arguments jsonargparse accepts for ``class_path`` (a class it has just resolved)."""
+def _class(class_path: str) -> type:
+    """The class ``class_path`` names (one jsonargparse has just resolved)."""
     import importlib
 
+    module, name = class_path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _class_options(class_path: str) -> list[str]:
+    """The init arguments jsonargparse accepts for ``class_path`` (a class it has just resolved)."""
     from jsonargparse import ArgumentParser
 
-    module, name = class_path.rsplit(".", 1)
     parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(getattr(importlib.import_module(module), name), fail_untyped=False)
+    parser.add_class_arguments(_class(class_path), fail_untyped=False)
     return [a.dest for a in parser._actions if a.dest != "help"]
 
 
@@ -162,13 +167,21 @@ def _option_error(error: BaseException, command: str) -> Optional[tuple[str, str
     name = class_path.rsplit(".", 1)[1]
     at = ".".join(k for k in (prefix.group(1), nested[-1].rpartition(".")[0].replace(".init_args", "")) if k)
     listed = f"dit-lightning {command} --{at}.help {class_path} lists the options of {name}"
-    unknown = re.search(r"Option '([^']+)' is not accepted", text[-1])
+    inner = text[-1]  # the innermost: what is wrong with the value
+    if inner.startswith(
+        "Expected a <class '"
+    ):  # a plain subtype's mismatch (Union[str, Strategy]): the class's is listed
+        from .lightning_cli import class_error_in_union
+
+        inner = class_error_in_union(text[0]) or inner
+    unknown = re.search(r"Option '([^']+)' is not accepted", inner)
     if unknown and given.endswith(unknown.group(1)):
         key = unknown.group(1)
         close = _closest(key, _class_options(class_path))
         hint = f"; did you mean {given[: -len(key)]}{close}?" if close else ""
-        return f"{given}: {name} has no option '{key}'{hint}", listed
-    reason = re.sub(r'^Parser key "[^"]+":\s*', "", text[-1]).strip()  # the innermost: what is wrong with the value
+        known = getattr(_class(class_path), "unknown_option_hints", {}).get(key)  # what the option is called there
+        return f"{given}: {name} has no option '{key}'{hint}" + (f": {known}" if known else ""), listed
+    reason = re.sub(r'^Parser key "[^"]+":\s*', "", inner).strip()
     return f"{given}: {reason}", listed
 
 

@@ -19,7 +19,6 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info
 from torch import Tensor, nn
 
-from .autofit import forget_failed_pass, free_device_memory, is_out_of_memory
 from .checkpoints import (
     NonFiniteWeightsError,
     check_dit_weights,
@@ -31,11 +30,12 @@ from .checkpoints import (
     sit_output_layout,
     strip_prefix,
 )
-from .data.store import file_sha256
+from .device_memory import forget_failed_pass, free_device_memory, is_out_of_memory
 from .diffusion import FlowMatching, PathType, Prediction, TimeDistribution, create_diffusion, min_snr_weight
 from .diffusion.gaussian_diffusion import ModelFn
 from .distributed.ops import clip_gradients, ema_update_, grad_norm
 from .distributed.sharding import configure_sharding
+from .hashing import file_sha256
 from .keyed_random import keyed_normal, keyed_randint, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import CheckpointSpec

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..atomic import check_writable
+from ..hashing import file_sha256, tree_sha256
 from ..ranks import resolve_device, resolve_rank
 from ..signals import on_stop, safe_points, stop_point
 from ..vae import is_pixel_space, load_vae
@@ -159,7 +160,7 @@ def _hash_weights(encoder: str, weights: Optional[str]) -> tuple[Optional[str], 
     """(file name, sha256) identifying the encoder's weights: of the weights file, or of every file
     of a ``save_pretrained`` directory (names and bytes)."""
     if os.path.isdir(encoder):
-        return None, st.tree_sha256(encoder)
+        return None, tree_sha256(encoder)
     if not weights:
         raise ValueError(
             f"--repa_encoder {encoder} needs --repa_weights, its local weights file: features of an encoder "
@@ -167,7 +168,7 @@ def _hash_weights(encoder: str, weights: Optional[str]) -> tuple[Optional[str], 
         )
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"--repa_weights {weights} is not a file")
-    return os.path.basename(weights), st.file_sha256(weights)
+    return os.path.basename(weights), file_sha256(weights)
 
 
 def _repa_options(encoder: Optional[str], weights: Optional[str], image_size: Optional[int]) -> Any:

@@ -32,6 +32,7 @@ from typing import Any, Literal, Optional, Union
 import numpy as np
 
 from ..atomic import make_directory, save_npy, write_bytes, write_json
+from ..hashing import file_sha256
 
 FORMAT_NAME = "dit-lightning-latent-store"
 FORMAT_VERSION = 1
@@ -331,26 +332,6 @@ def _check_format(d: dict[str, Any], path: str) -> None:
 # --------------------------------------------------------------------------------------
 # Shards
 # --------------------------------------------------------------------------------------
-
-
-def file_sha256(path: str) -> str:
-    """The sha256 of a file's bytes, read in 4 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def tree_sha256(root: str) -> str:
-    """The sha256 of a directory: each file's path (relative, sorted) and the sha256 of its bytes."""
-    h = hashlib.sha256()
-    for dirpath, dirnames, files in os.walk(root):
-        dirnames.sort()  # os.walk descends in this order
-        for name in sorted(files):
-            full = os.path.join(dirpath, name)
-            h.update(f"{os.path.relpath(full, root)}\0{file_sha256(full)}\n".encode())
-    return h.hexdigest()
 
 
 def write_shard(
