@@ -16,7 +16,7 @@ import sys
 import traceback
 from typing import NoReturn, Optional
 
-from .commands import TOOLS, tool
+from .commands import TOOLS
 from .signals import SignalGuard
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -188,14 +188,16 @@ def _option_error(error: BaseException, command: str) -> Optional[tuple[str, str
 def _run(args: list[str]) -> None:
     command = args[0]
     if command in TOOLS:
-        from jsonargparse import CLI, ArgumentError, auto_parser
+        from jsonargparse import ArgumentError
+
+        from .commands import run_tool, tool_parser
 
         options: dict = {"as_positional": False, "prog": f"dit-lightning {command}", "exit_on_error": False}
         options["allow_abbrev"] = False  # --num_step is not --num_steps: refused, with the option it abbreviates
         try:
-            CLI(tool(command), args=_with_aliases(command, args[1:]), **options)
+            run_tool(command, _with_aliases(command, args[1:]), **options)
         except ArgumentError as e:
-            e.parser = auto_parser(tool(command), **options)  # type: ignore[attr-defined]  # for "did you mean"
+            e.parser = tool_parser(command, **options)  # type: ignore[attr-defined]  # for "did you mean"
             raise
         return
     from .lightning_cli import run_lightning_cli
