@@ -12,7 +12,7 @@ through :func:`parse_communication`, and refuse the same ones with the same word
 
 from __future__ import annotations
 
-from typing import Literal, Optional, cast, get_args
+from typing import Literal, Optional, get_args
 
 Communication = Literal["none", "bf16", "fp16", "powersgd"]
 COMMUNICATIONS: tuple[Communication, ...] = get_args(Communication)
@@ -41,7 +41,7 @@ def parse_communication(value: str) -> tuple[Communication, Optional[int]]:
     kind, colon, rank = str(value).strip().lower().partition(":")
     if kind not in COMMUNICATIONS or (colon and (kind != "powersgd" or not rank.isdigit() or int(rank) < 1)):
         raise ValueError(f"communication '{value}' is not understood: choose {SPELLINGS}")
-    return cast(Communication, kind), int(rank) if colon else None
+    return kind, int(rank) if colon else None
 
 
 def communication_setting(communication: str, powersgd_rank: Optional[int] = None) -> tuple[Communication, int]:

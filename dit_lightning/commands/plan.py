@@ -167,21 +167,21 @@ def command_line(args: list[str], **parser_options: Any) -> Union[MemoryPlan, Re
     """``dit-lightning plan ARGS``: parse (a run's values under the command line's), then :func:`plan`."""
     _refuse_a_fit_config(args)
     p = parser(**parser_options)
-    run = _given(args, "--run")
+    first = p.parse_args(args)  # the flags checked (and --print_config answered) before the run is read
+    run: Optional[str] = first.run
     recorded_flags: dict[str, Any] = {}
     notes: list[str] = []
     if run is not None:
         from ..planner.runs import read_run
 
         recorded = read_run(run)
-        fit = p.parse_args([a for a in args if not a.startswith("--print_config")]).fit
-        recorded_flags = {k: v for k, v in recorded.options.items() if not (fit and k in _SEARCHED)}
+        recorded_flags = {k: v for k, v in recorded.options.items() if not (first.fit and k in _SEARCHED)}
         recorded_flags["fsdp2"] = recorded.fsdp2
         if recorded.global_batch is not None:
             recorded_flags["global_batch"] = recorded.global_batch
         p.set_defaults(recorded_flags)
         notes = [f"from {', '.join(recorded.sources)}", *recorded.notes]
-    cfg = p.parse_args(args).as_dict()
+    cfg = (p.parse_args(args) if run is not None else first).as_dict()
     cfg.pop("config", None)
     cfg.pop("run", None)
     fit_micro_batch = cfg.pop("fit_micro_batch")

@@ -417,13 +417,13 @@ def recommend(
         f"--model.activation_checkpointing {best.activation_checkpointing}",
     ]
     if world > 1:
-        kind, rank = parse_communication(o.communication)
+        kind, named_rank = parse_communication(o.communication)
         if best.strategy == "ddp":  # the project's DDP strategy: gradient_as_bucket_view=True
             args += ["--trainer.strategy dit_lightning.distributed.DiTDDPStrategy"]
             if kind != "none":
                 args += [f"--trainer.strategy.communication {kind}"]
-                if rank is not None:
-                    args += [f"--trainer.strategy.powersgd_rank {rank}"]
+                if named_rank is not None:
+                    args += [f"--trainer.strategy.powersgd_rank {named_rank}"]
         else:  # FSDP1, one unit per DiTBlock and per DiT (model and EMA)
             args += [
                 "--trainer.strategy dit_lightning.distributed.DiTFSDPStrategy",
