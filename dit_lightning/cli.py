@@ -168,9 +168,8 @@ def _option_error(error: BaseException, command: str) -> Optional[tuple[str, str
     at = ".".join(k for k in (prefix.group(1), nested[-1].rpartition(".")[0].replace(".init_args", "")) if k)
     listed = f"dit-lightning {command} --{at}.help {class_path} lists the options of {name}"
     inner = text[-1]  # the innermost: what is wrong with the value
-    if inner.startswith(
-        "Expected a <class '"
-    ):  # a plain subtype's mismatch (Union[str, Strategy]): the class's is listed
+    # a plain subtype's mismatch (trainer.strategy is Union[str, Strategy]): the class's own error is listed
+    if inner.startswith("Expected a <class '"):
         from .lightning_cli import class_error_in_union
 
         inner = class_error_in_union(text[0]) or inner

@@ -82,19 +82,20 @@ def _run_checkpoint(run: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def _network_of_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(PlanOptions fields of the network, the settings the file records) of any DiT checkpoint."""
+def _network_of_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(PlanOptions fields of the network, the settings the file records, what had to be guessed) of
+    any DiT checkpoint."""
     from ..checkpoints import dit_config_of, read_checkpoint
 
     ckpt = read_checkpoint(path, finite=False)  # nothing is computed from the weights: NaN is sample's concern
-    cfg, _ = dit_config_of(ckpt)
+    cfg, guessed = dit_config_of(ckpt)
     if cfg.get("attn_dim") not in (None, cfg["hidden_size"]):
         raise ValueError(f"{path} holds a head-pruned DiT (attn_dim): the planner does not model it")
     network = {k: cfg[k] for k in _SHAPE[1:] if k in cfg}
     network.update(model="custom", latent_size=cfg["input_size"], in_channels=cfg["in_channels"])
     network["num_classes"] = cfg["num_classes"]
     settings = {**dict(ckpt.meta.get("datamodule") or {}), **ckpt.args}
-    return network, settings
+    return network, settings, guessed
 
 
 def _network_of_settings(settings: dict[str, Any], data_path: Optional[str]) -> tuple[dict[str, Any], list[str]]:
@@ -229,7 +230,7 @@ def read_run(path: str) -> RunLevers:
         else:
             checkpoint = _run_checkpoint(run)
     if checkpoint is not None:
-        network, recorded = _network_of_checkpoint(checkpoint)
+        network, recorded, out.notes = _network_of_checkpoint(checkpoint)
         model = {**recorded, **model}
         data = {**recorded, **data}
         out.sources.append(str(checkpoint))
