@@ -16,15 +16,13 @@ explicitly, which auto-fit never changes.
   blocks first, then half the micro-batch with twice the accumulation, each time predicted to
   need at least ``backoff_reduction`` less memory than the setting that failed.
 * :func:`next_faster`: the one step toward a faster setting that "speed up when safe" tries.
-* :func:`cuda_budget`, :func:`is_out_of_memory`: reading the device, recognising the error.
+* :func:`cuda_budget`, :func:`device_gpu_spec`: reading the device (what counts as out of memory, and
+  freeing a failed pass's memory: :mod:`dit_lightning.device_memory`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
-import re
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, cast
@@ -334,38 +332,6 @@ def device_gpu_spec(index: int) -> tuple[Optional[GPUSpec], bool]:
     """(the GPU table's entry for CUDA device ``index`` or None, whether it computes in bf16)."""
     spec = spec_for_device_name(torch.cuda.get_device_name(index))
     return spec, (spec.supports_bf16 if spec is not None else bool(torch.cuda.is_bf16_supported()))
-
-
-_OOM_TEXT = re.compile(r"out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED", re.I)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is a device out-of-memory error (CUDA, MPS, or the allocator failures of
-    cuBLAS / cuDNN), as opposed to any other failure of a step."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and bool(_OOM_TEXT.search(str(error)))
-
-
-def forget_failed_pass(error: BaseException) -> None:
-    """Drop what an out-of-memory exception keeps alive: the frames of the failed forward / backward
-    pass hold its activations (clearing them frees the memory before the step is redone)."""
-    tb = error.__traceback__
-    if tb is not None:
-        traceback.clear_frames(tb)
-    error.__traceback__ = None
-    error.__context__ = error.__cause__ = None
-
-
-def free_device_memory(device: torch.device) -> None:
-    """Return the failed pass's cached blocks to the device, so that a safer split allocates anew."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    elif device.type == "mps" and hasattr(torch, "mps"):
-        torch.mps.empty_cache()
 
 
 # ---- the decision ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import sys
 import traceback
 from typing import NoReturn, Optional
 
-from .commands import TOOLS, tool
+from .commands import TOOLS
 from .signals import SignalGuard
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -119,15 +119,20 @@ def _closest(given: str, options: list[str]) -> Optional[str]:
     return ranked[0] + (f" (or {', '.join(others)})" if others else "")
 
 
-def _class_options(class_path: str) -> list[str]:
-    """The init arguments jsonargparse accepts for ``class_path`` (a class it has just resolved)."""
+def _class(class_path: str) -> type:
+    """The class ``class_path`` names (one jsonargparse has just resolved)."""
     import importlib
 
+    module, name = class_path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _class_options(class_path: str) -> list[str]:
+    """The init arguments jsonargparse accepts for ``class_path`` (a class it has just resolved)."""
     from jsonargparse import ArgumentParser
 
-    module, name = class_path.rsplit(".", 1)
     parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(getattr(importlib.import_module(module), name), fail_untyped=False)
+    parser.add_class_arguments(_class(class_path), fail_untyped=False)
     return [a.dest for a in parser._actions if a.dest != "help"]
 
 
@@ -162,27 +167,36 @@ def _option_error(error: BaseException, command: str) -> Optional[tuple[str, str
     name = class_path.rsplit(".", 1)[1]
     at = ".".join(k for k in (prefix.group(1), nested[-1].rpartition(".")[0].replace(".init_args", "")) if k)
     listed = f"dit-lightning {command} --{at}.help {class_path} lists the options of {name}"
-    unknown = re.search(r"Option '([^']+)' is not accepted", text[-1])
+    inner = text[-1]  # the innermost: what is wrong with the value
+    # a plain subtype's mismatch (trainer.strategy is Union[str, Strategy]): the class's own error is listed
+    if inner.startswith("Expected a <class '"):
+        from .lightning_cli import class_error_in_union
+
+        inner = class_error_in_union(text[0]) or inner
+    unknown = re.search(r"Option '([^']+)' is not accepted", inner)
     if unknown and given.endswith(unknown.group(1)):
         key = unknown.group(1)
         close = _closest(key, _class_options(class_path))
         hint = f"; did you mean {given[: -len(key)]}{close}?" if close else ""
-        return f"{given}: {name} has no option '{key}'{hint}", listed
-    reason = re.sub(r'^Parser key "[^"]+":\s*', "", text[-1]).strip()  # the innermost: what is wrong with the value
+        known = getattr(_class(class_path), "unknown_option_hints", {}).get(key)  # what the option is called there
+        return f"{given}: {name} has no option '{key}'{hint}" + (f": {known}" if known else ""), listed
+    reason = re.sub(r'^Parser key "[^"]+":\s*', "", inner).strip()
     return f"{given}: {reason}", listed
 
 
 def _run(args: list[str]) -> None:
     command = args[0]
     if command in TOOLS:
-        from jsonargparse import CLI, ArgumentError, auto_parser
+        from jsonargparse import ArgumentError
+
+        from .commands import run_tool, tool_parser
 
         options: dict = {"as_positional": False, "prog": f"dit-lightning {command}", "exit_on_error": False}
         options["allow_abbrev"] = False  # --num_step is not --num_steps: refused, with the option it abbreviates
         try:
-            CLI(tool(command), args=_with_aliases(command, args[1:]), **options)
+            run_tool(command, _with_aliases(command, args[1:]), **options)
         except ArgumentError as e:
-            e.parser = auto_parser(tool(command), **options)  # type: ignore[attr-defined]  # for "did you mean"
+            e.parser = tool_parser(command, **options)  # type: ignore[attr-defined]  # for "did you mean"
             raise
         return
     from .lightning_cli import run_lightning_cli

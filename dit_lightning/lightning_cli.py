@@ -28,9 +28,11 @@ every standard Lightning knob working, and one directory per run.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -79,16 +81,82 @@ def _shown(path: Union[str, Path]) -> str:
 
 
 # How jsonargparse wraps what a class raised while it was built (the model is a union with None).
-_WRAPPERS = ("Does not validate against any of the Union subtypes", "Problem with given class_path")
+_UNION = "Does not validate against any of the Union subtypes"
+_WRAPPERS = (_UNION, "Problem with given class_path")
+# A plain subtype's mismatch ("Expected a <class 'str'>"): what jsonargparse chains as the cause of a
+# union's error when that subtype comes first (trainer.strategy is Union[str, Strategy])
+_PLAIN_MISMATCH = "Expected a <class '"
+
+
+def class_error_in_union(text: str) -> Optional[str]:
+    """What the class subtype of a union option said, out of jsonargparse's listing of every
+    subtype's error (``Errors:`` then ``- ...`` per subtype): the class's own check or the option it
+    does not accept, without the plain subtypes' mismatches and jsonargparse's headers; None when
+    the listing holds no such error. (jsonargparse chains only the first subtype's error as the
+    cause: for ``Union[str, Strategy]``, "Expected a <class 'str'>".)"""
+    listing = re.search(r"\n\s*Errors:\n(.*?)\n\s*Given value type:", text, re.S)
+    if listing is None:
+        return None
+    lines = listing.group(1).splitlines()
+    bullet = re.match(r"(\s*)- ", lines[0]) if lines else None
+    if bullet is None:
+        return None
+    indent = bullet.group(1)
+    entries: list[list[str]] = []
+    for line in lines:
+        if line.startswith(indent + "- "):
+            entries.append([line[len(indent) + 2 :]])
+        elif entries:
+            entries[-1].append(line.strip())
+    for entry in entries:
+        if entry[0].startswith(_PLAIN_MISMATCH):
+            continue
+        kept = [line for line in entry if line and not re.match(r"(Problem with given class_path|Parser key)", line)]
+        said = " ".join(kept)
+        expected = re.findall(r"Expected a <class '(?:[\w]+\.)*(\w+)'>", said)
+        if _UNION in said and expected:  # an option of the class that is itself a union (Optional[int]...)
+            said = "expected " + " or ".join("None" if e == "NoneType" else e for e in expected)
+        return said or None
+    return None
 
 
 def _raised_by_the_class(error: BaseException) -> BaseException:
     """The error a class raised in ``__init__`` (a model setting that does not work, a bad
-    ``init_from``...) out of jsonargparse's wrappers, which repeat it among the subtypes' errors
-    followed by the whole configuration."""
+    ``init_from``, a strategy's check...) out of jsonargparse's wrappers, which repeat it among the
+    subtypes' errors followed by the whole configuration."""
     while error.__cause__ is not None and str(error).startswith(_WRAPPERS):
-        error = error.__cause__
+        cause = error.__cause__
+        if str(error).startswith(_UNION) and str(cause).startswith(_PLAIN_MISMATCH):
+            # the class's error is only in the listing: say it, with the class it came from
+            said = class_error_in_union(str(error))
+            if said is not None:
+                named = re.search(r"Given value: Namespace\(class_path='[\w.]*?(\w+)'", str(error))
+                return ValueError(f"{named.group(1)}: {said}" if named else said)
+        error = cause
     return error
+
+
+def _strategy_class(trainer: Any) -> None:
+    """``--trainer.strategy dit_lightning.distributed.DiTDDPStrategy`` alone (no ``.init_args``): jsonargparse
+    keeps the string (``Union[str, Strategy]`` tries str first) and Lightning reads it as a registered
+    name, lower-cased. A dotted name is a class path: resolved here, and given to jsonargparse as one."""
+    strategy = trainer.get("strategy") if hasattr(trainer, "get") else None
+    if not isinstance(strategy, str) or "." not in strategy:
+        return  # Lightning's registered names (ddp, fsdp, deepspeed_stage_2...) have no dot
+    from jsonargparse import Namespace
+    from lightning.pytorch.strategies import Strategy
+
+    module, _, name = strategy.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"--trainer.strategy {strategy}: no such class ({e}); give a Lightning strategy name (ddp, fsdp...) or "
+            "a Strategy's class path, e.g. dit_lightning.distributed.DiTDDPStrategy"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise ValueError(f"--trainer.strategy {strategy} is not a Lightning Strategy class")
+    trainer["strategy"] = Namespace(class_path=strategy)
 
 
 def _check_accelerator(trainer: Any) -> None:
@@ -358,6 +426,7 @@ class DiTCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         sub = self.config[self.subcommand]
         self._check_settings(sub)
+        _strategy_class(sub.get("trainer"))
         logger = sub.get("trainer", {}).get("logger")
         loggers = logger if isinstance(logger, list) else [logger]
         for lg in loggers:

@@ -15,7 +15,6 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info
 from torch import Tensor, nn
 
-from .autofit import forget_failed_pass, free_device_memory, is_out_of_memory
 from .checkpoints import (
     NonFiniteWeightsError,
     check_dit_weights,
@@ -27,6 +26,7 @@ from .checkpoints import (
     sit_output_layout,
     strip_prefix,
 )
+from .device_memory import forget_failed_pass, free_device_memory, is_out_of_memory
 from .diffusion import (
     LossWeighting,
     ObjectiveName,

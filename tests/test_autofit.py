@@ -1,13 +1,12 @@
 """Auto-fit's decisions (dit_lightning/autofit.py): the planner's fastest setting that fits a budget, what
 is kept as given, the message when nothing fits, the back-off ladder, the one step toward a faster
-setting, and which errors count as out-of-memory."""
+setting (which errors count as out-of-memory: tests/test_device_memory.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-import torch
 
 from dit_lightning.autofit import (
     AutoFitConfig,
@@ -15,7 +14,6 @@ from dit_lightning.autofit import (
     NothingFits,
     Setting,
     decide,
-    is_out_of_memory,
     next_faster,
     next_safer,
 )
@@ -150,14 +148,6 @@ def test_settings_round_trip_and_configs_parse():
     assert AutoFitConfig.of({"enabled": False}) is None
     with pytest.raises(ValueError, match="memory_gib"):
         AutoFitConfig(memory_gib=-1)
-
-
-def test_out_of_memory_errors_of_every_device_kind_and_nothing_else():
-    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1.00 GB)"))
-    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`"))
-    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not is_out_of_memory(ValueError("out of memory"))  # not an error a device raises
 
 
 def test_a_problem_is_the_planners_options_and_carries_their_levers():

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Optional, cast
 
@@ -17,21 +15,14 @@ from torch import Tensor, nn
 
 from ..atomic import write_json
 from ..evaluation.digits import digits_metrics, uint8_digit_features
-from ..evaluation.fid import (
-    FeatureStats,
-    build_extractor,
-    check_metrics,
-    find_inception_weights,
-    metrics_from_features,
-    reference_stats,
-)
+from ..evaluation.fid import FeatureStats, build_extractor, metrics_from_features, reference_stats
+from ..evaluation.options import Metric, MetricOptions, metric_names
 from ..images import to_uint8
 from ..models import DiT
 from ..sampling import LabelPlan, LabelSpec, SamplingOptions, parse_labels
 from ..vae import is_pixel_space
 from .checkpoint import run_path
 
-Metric = Literal["fid", "is", "kid", "digits"]
 Stage = Literal["test", "validate"]
 
 
@@ -45,32 +36,20 @@ class GenerationMetrics(L.Callback):
       the requested classes, and Fréchet distances in pixel and classifier space next to the
       real-vs-real floor (``dit_lightning.evaluation.digits``).
 
-    How the images are sampled: ``**sampling``, the fields of
-    :class:`~dit_lightning.sampling.SamplingOptions` as flat arguments (``sampler``, ``num_steps``,
-    ``cfg_scale``, ``guide_channels``, ``seed``...: ``--evaluation.cfg_scale``); unset ones take the
-    module's. Sample ``i`` is keyed on ``(seed, i)`` as in ``dit-lightning sample`` (its label under
-    ``labels="random"``, its initial and per-step noise). Rank ``r`` of ``W`` makes samples
-    ``r, r + W, ...``; the features of all ranks are gathered in index order, so the numbers do
-    not depend on the number of devices or the batch size. Every check (metric names, Inception
+    The options (``**options``): :class:`~dit_lightning.evaluation.MetricOptions`' fields as flat
+    arguments, the same as ``dit-lightning evaluate``'s: what is measured against what
+    (``num_samples``, ``reference``, ``inception_weights``, ``labels``...) and how the images are
+    sampled (the fields of :class:`~dit_lightning.sampling.SamplingOptions`: ``sampler``,
+    ``num_steps``, ``cfg_scale``, ``guide_channels``, ``seed``...: ``--evaluation.cfg_scale``; unset
+    ones take the module's). Sample ``i`` is keyed on ``(seed, i)`` as in ``dit-lightning sample``
+    (its label under ``labels="random"``, its initial and per-step noise). Rank ``r`` of ``W`` makes
+    samples ``r, r + W, ...``; the features of all ranks are gathered in index order, so the numbers
+    do not depend on the number of devices or the batch size. Every check (metric names, Inception
     weights on disk, the reference, a digits model for ``"digits"``) runs in ``setup``, before the
     first batch, and reference statistics are computed there once (and cached).
 
     Args:
         metrics: any of "fid", "is", "kid", "digits"; empty: nothing is sampled.
-        num_samples: images to generate (50,000 for the published FID-50K).
-        reference: real images for FID / KID: an image folder, a latent store (decoded), an
-            ``.npz`` of images (``arr_0``) or of statistics (``mu``/``sigma``: ADM's reference batches).
-        inception_weights: the local InceptionV3 weights file (offline machines); default
-            ``$DIT_INCEPTION_WEIGHTS`` or torch hub's checkpoint cache.
-        feature_extractor: an ``nn.Module`` mapping uint8 (N, 3, H, W) to (N, D), used instead of
-            Inception (not for IS).
-        antialias: torchmetrics' resize to 299 px; False (TF1-compatible) matches published FIDs.
-        cache_dir: reference statistics cache ("auto": ``~/.cache/dit-lightning/fid-stats``; None: off).
-        image_size: centre-crop size of reference folder images.
-        max_reference: use at most this many reference images.
-        kid_subset_size: KID's subset size (capped by the number of images).
-        labels: "random" (uniform, keyed on seed and index: the FID protocol), "all" (cycled),
-            "0-9", "1,5,7" or a list.
         batch_size: images per sampling batch on each device (does not change the images).
         stages: "test" (default) and/or "validate" (after every validation epoch, also during fit:
             e.g. an FID-5K curve; never in the sanity check).
@@ -82,36 +61,15 @@ class GenerationMetrics(L.Callback):
     def __init__(
         self,
         metrics: list[Metric] = [],  # noqa: B006 - jsonargparse needs a plain default
-        num_samples: int = 50_000,
-        reference: Optional[str] = None,
-        inception_weights: Optional[str] = None,
-        feature_extractor: Optional[Callable[[Tensor], Tensor]] = None,
-        antialias: bool = False,
-        cache_dir: Optional[str] = "auto",
-        image_size: Optional[int] = None,
-        max_reference: Optional[int] = None,
-        kid_subset_size: int = 1000,
-        labels: LabelSpec = "random",
         batch_size: int = 64,
         stages: list[Stage] = ["test"],  # noqa: B006
         output: Optional[str] = None,
-        **sampling: Any,
+        **options: Any,
     ) -> None:
-        self.options = SamplingOptions(**sampling)  # jsonargparse reads the flat init args off this call
-        self.metrics = [str(m).lower() for m in metrics]
+        self.measured = MetricOptions(**options)  # jsonargparse reads the flat init args off this call
+        self.options = self.measured.sampling
+        self.metrics: list[str] = list(metric_names(metrics))
         self.image_metrics = [m for m in self.metrics if m != "digits"]
-        self.num_samples = int(num_samples)
-        self.reference = reference
-        self.inception_weights = inception_weights
-        if feature_extractor is not None and not isinstance(feature_extractor, nn.Module):
-            raise TypeError("feature_extractor must be a torch.nn.Module mapping uint8 (N, 3, H, W) to (N, D)")
-        self.feature_extractor = feature_extractor
-        self.antialias = antialias
-        self.cache_dir = cache_dir
-        self.image_size = image_size
-        self.max_reference = max_reference
-        self.kid_subset_size = kid_subset_size
-        self.labels = labels
         self.batch_size = int(batch_size)
         self.stages = list(stages)
         self.output = output
@@ -123,6 +81,14 @@ class GenerationMetrics(L.Callback):
         self._reference: Optional[FeatureStats] = None
         self.last: Optional[dict[str, Any]] = None  # the last measurement, with details
 
+    @property
+    def num_samples(self) -> int:
+        return self.measured.num_samples
+
+    @property
+    def labels(self) -> LabelSpec:
+        return self.measured.labels
+
     # ---- set-up: every check before any work ---------------------------------------------
     def _active(self, stage: Optional[str]) -> bool:
         if not self.metrics:
@@ -133,12 +99,7 @@ class GenerationMetrics(L.Callback):
 
     def check(self, pl_module: L.LightningModule) -> None:
         """Raise a clear error for settings that cannot be measured (called in ``setup``)."""
-        unknown = set(self.metrics) - {"fid", "is", "kid", "digits"}
-        if unknown:
-            raise ValueError(f"unknown metrics {sorted(unknown)}: choose from fid, is, kid, digits")
-        check_metrics(self.image_metrics, self.reference, self.feature_extractor)
-        if self.num_samples < 2:
-            raise ValueError(f"num_samples must be at least 2 to measure anything, got {self.num_samples}")
+        self.measured.check(self.metrics)  # metric names, the reference, the sample count, the Inception weights
         net = cast(DiT, pl_module.model)  # a DiTModule's network
         parse_labels(self.labels, net.num_classes, seed=self.options.seed)  # raises for labels outside the model
         if "digits" in self.metrics and not (
@@ -149,10 +110,6 @@ class GenerationMetrics(L.Callback):
                 f"this model has {net.in_channels} channel(s), {net.num_classes} classes and VAE "
                 f"{pl_module.hparams.get('vae')!r}: use metrics [fid] with a reference instead"
             )
-        if self.image_metrics and self.feature_extractor is None:
-            find_inception_weights(self.inception_weights)  # says how to get the weights
-        if self.reference is not None and not os.path.exists(self.reference):
-            raise FileNotFoundError(f"the FID reference {self.reference} does not exist")
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self._active(stage):
@@ -161,14 +118,15 @@ class GenerationMetrics(L.Callback):
         if not self.image_metrics:
             return
         device = trainer.strategy.root_device
+        m = self.measured
         extractor, self._dim = build_extractor(
-            self.image_metrics, self.inception_weights, self.feature_extractor, self.antialias
+            self.image_metrics, m.inception_weights, cast(Optional[nn.Module], m.feature_extractor), m.antialias
         )
         self._extractor = extractor.to(device).eval()
-        if trainer.is_global_zero and self.reference is not None and ("fid" in self.metrics or "kid" in self.metrics):
+        if trainer.is_global_zero and m.reference is not None and ("fid" in self.metrics or "kid" in self.metrics):
             # Rank 0 alone holds the reference: the metrics are computed there.
             self._reference = reference_stats(
-                self.reference, self._extractor, self.cache_dir, self.batch_size, self.image_size, self.max_reference,
+                m.reference, self._extractor, m.cache_dir, self.batch_size, m.image_size, m.max_reference,
                 keep_features="kid" in self.metrics, device=device, dim=self._dim,
             )  # fmt: skip
 
@@ -229,7 +187,7 @@ class GenerationMetrics(L.Callback):
             if "image" in gathered:
                 result.update(
                     metrics_from_features(
-                        gathered["image"], self.image_metrics, self._reference, self._dim, self.kid_subset_size
+                        gathered["image"], self.image_metrics, self._reference, self._dim, self.measured.kid_subset_size
                     )
                 )
                 if self._reference is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 # tool name -> (module under dit_lightning.commands, function, one-line summary); a tool's module is
 # imported only when it runs.
@@ -25,3 +26,25 @@ def tool(name: str) -> Callable:
     """The function of tool ``name``."""
     module, function, _ = TOOLS[name]
     return getattr(importlib.import_module(f"{__name__}.{module}"), function)
+
+
+def run_tool(name: str, args: list[str], **parser_options: Any) -> Any:
+    """Run tool ``name`` on its command line ``args``: through its module's own ``command_line`` where
+    it has one (``plan``: a flag per field of the planner's options object), else jsonargparse's CLI
+    of the function."""
+    own = getattr(importlib.import_module(f"{__name__}.{TOOLS[name][0]}"), "command_line", None)
+    if own is not None:
+        return own(args, **parser_options)
+    from jsonargparse import CLI
+
+    return CLI(tool(name), args=args, **parser_options)
+
+
+def tool_parser(name: str, **parser_options: Any) -> Any:
+    """The argument parser of tool ``name`` (for "did you mean" after a bad option)."""
+    own = getattr(importlib.import_module(f"{__name__}.{TOOLS[name][0]}"), "parser", None)
+    if own is not None:
+        return own(**parser_options)
+    from jsonargparse import auto_parser
+
+    return auto_parser(tool(name), **parser_options)

@@ -1,113 +1,60 @@
 """``dit-lightning plan``: the planner as a command (a rich table in the terminal, JSON, or with
-``--fit`` a hardware profile as YAML)."""
+``--fit`` a hardware profile as YAML).
+
+:func:`plan` takes the planner's one options object (:class:`~dit_lightning.planner.PlanOptions`);
+the command line (:func:`parser`) has a flag per field of it (``--model``, ``--micro_batch``,
+``--strategy``...) beside plan's own (``--gpu``, ``--fit``...), and ``--run PATH`` takes the model and
+the levers of a fit run (its directory, its ``config.yaml`` or a checkpoint: :mod:`dit_lightning.planner.runs`)
+for whatever the command line leaves unset.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 import sys
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from ..planner.hardware import INTERCONNECTS, gpu_names, gpu_spec, local_gpu
-from ..planner.memory import (
-    CheckpointArg,
-    DeviceKind,
-    MemoryPlan,
-    OptimizerName,
-    PlanOptions,
-    Sharding,
-    Strategy,
-    plan_memory,
-)
+from ..planner.hardware import gpu_names, gpu_spec, local_gpu
+from ..planner.memory import PLAN_DEFAULTS, MemoryPlan, PlanOptions, plan_memory
 from ..planner.profiles import fit_command, render_yaml
 from ..planner.recommend import Recommendation, recommend, step_time
 from ..planner.report import communication_line, render_memory, render_recommendation
-from ..precision import TrainingPrecision
+
+# The settings --fit searches: a run's values for them are not pinned there (the command line's are).
+_SEARCHED = ("micro_batch", "accumulate_grad_batches", "precision", "activation_checkpointing", "strategy", "sharding")
+_OPTIONS = tuple(f.name for f in dataclasses.fields(PlanOptions))
 
 
 def plan(
-    model: str = "DiT-XL/2",
-    latent_size: int = 32,
-    micro_batch: int = 32,
-    precision: Optional[TrainingPrecision] = None,
-    activation_checkpointing: Optional[CheckpointArg] = None,
-    strategy: Optional[Strategy] = None,
-    sharding: Optional[Sharding] = None,
-    world_size: int = 1,
-    num_nodes: int = 1,
-    shard_group: Optional[int] = None,
-    fsdp2: bool = False,
-    optimizer: OptimizerName = "adamw",
-    ema: bool = True,
-    accumulate_grad_batches: int = 1,
+    options: Optional[PlanOptions] = None,
     gpu: Optional[str] = None,
     memory_gib: Optional[float] = None,
-    attention: Literal["auto", "flash", "math"] = "auto",
-    device: DeviceKind = "cuda",
     fit: bool = False,
     global_batch: int = 256,
-    fit_micro_batch: Optional[int] = None,
     steps: int = 400_000,
     mfu: Optional[float] = None,
     price_per_gpu_hour: Optional[float] = None,
     format: Literal["table", "json", "yaml"] = "table",
-    depth: Optional[int] = None,
-    hidden_size: Optional[int] = None,
-    num_heads: Optional[int] = None,
-    patch_size: Optional[int] = None,
-    in_channels: int = 4,
-    num_classes: int = 1000,
-    qk_norm: bool = False,
-    communication: str = "none",
-    interconnect: Optional[str] = None,
-    repa_projector_dim: Optional[int] = None,
-    repa_feature_dim: int = 768,
-    repa_encoder_params: int = 0,
+    fsdp2: bool = False,
 ) -> Union[MemoryPlan, Recommendation]:
     """Plan the GPU memory of DiT training, or (``--fit``) recommend the fastest setup that fits.
 
     Args:
-        model: a registered name (``DiT-XL/2``) or ``custom`` with depth/hidden_size/num_heads/patch_size.
-        latent_size: latent side: 32 for 256px images, 64 for 512px.
-        micro_batch: per-GPU batch of one forward/backward (plan mode).
-        precision: 32-true, 16-mixed or bf16-mixed (plan mode default bf16-mixed; fit: searched).
-        activation_checkpointing: recomputed blocks, as the model takes them: none, all, half, first:N, every:K
-            or a number N (plan mode default none; fit: searched when not given).
-        strategy: ddp or fsdp (plan mode default ddp; fit: searched when not given).
-        sharding: FSDP sharding: FULL_SHARD or SHARD_GRAD_OP (fit: searched when not given).
-        world_size: number of GPUs (data parallel), over all nodes.
-        num_nodes: nodes the GPUs are spread over (--format yaml writes trainer.num_nodes).
-        shard_group: FSDP hybrid sharding (HSDP): shard within groups of this many GPUs (a node's).
-        fsdp2: --format yaml writes FSDP as FSDP2 (DiTFSDP2Strategy) rather than FSDP1.
-        optimizer: adamw (2 fp32 states), adamw8bit (bitsandbytes) or sgd (momentum).
-        ema: keep the fp32 EMA copy of the weights.
-        accumulate_grad_batches: gradient accumulation (plan mode; >1 keeps gradients alive).
+        options: the run and its memory levers (default: DiT-XL/2 at 256px); in plan mode its unset
+            settings are plan_memory's defaults, with --fit recommend searches them.
         gpu: GPU_NAMES; the name torch.cuda.get_device_name() prints ("NVIDIA H100 80GB HBM3"); or auto (this
             machine's first GPU).
         memory_gib: a memory budget in GiB per GPU (instead of, or overriding, the GPU's memory).
-        attention: SDPA kernel family (auto = flash-type, O(T); math = the T x T matrix).
-        device: cuda (adds context, workspaces, fragmentation headroom) or cpu.
         fit: recommend micro-batch, accumulation, precision, checkpointing and strategy.
         global_batch: target global batch for --fit (micro x world x accumulation, exactly).
-        fit_micro_batch: pin the micro-batch in --fit mode.
         steps: optimiser steps of the run, for the time and cost estimate.
         mfu: measured utilisation of executed FLOPs (default 0.35 for 16-bit, 0.12 for fp32/TF32).
         price_per_gpu_hour: price of one GPU-hour, for the cost estimate.
         format: table (rich), json, or yaml (with --fit: a hardware profile to pass as --config).
-        depth: override the named model's depth (or set it for custom).
-        hidden_size: override the hidden size.
-        num_heads: override the number of heads.
-        patch_size: override the patch size.
-        in_channels: latent channels (4 for the SD VAE).
-        num_classes: number of classes (1000 for ImageNet).
-        qk_norm: the model's QK-norm (--model.qk_norm): LayerNorm of q and k, more saved tensors per block.
-        communication: gradient reduction: none (fp32), bf16 or fp16 (DDP hook / FSDP reduce_dtype), powersgd or
-            powersgd:R (DDP); priced in the step time.
-        interconnect: the link between a node's GPUs (INTERCONNECT_NAMES), optionally +network between nodes
-            (nvlink4+ib-ndr); default: the GPU's own.
-        repa_projector_dim: REPA's projector width (--model.repa.projector_dim, 2048); unset: no REPA.
-        repa_feature_dim: the REPA encoder's feature width (768 for DINOv2 ViT-B).
-        repa_encoder_params: the REPA encoder's parameters when it runs online (86580480 for DINOv2 ViT-B/14);
-            0: its features come from the store.
+        fsdp2: --format yaml writes FSDP as FSDP2 (DiTFSDP2Strategy) rather than FSDP1.
     """
+    options = options if options is not None else PlanOptions()
     if format == "yaml" and not fit:
         raise ValueError("--format yaml writes a hardware profile of a recommendation: add --fit")
     if gpu is not None and gpu.strip().lower() == "auto":
@@ -122,37 +69,6 @@ def plan(
         )
     elif gpu is not None:
         gpu = gpu_spec(gpu).name  # any spelling the table knows, or a clear error
-    # The run as the planner sees it; in plan mode its unset settings are plan_memory's defaults,
-    # with --fit recommend searches them (--fit_micro_batch pins the micro-batch there).
-    options = PlanOptions(
-        model=model,
-        latent_size=latent_size,
-        depth=depth,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        patch_size=patch_size,
-        in_channels=in_channels,
-        num_classes=num_classes,
-        qk_norm=qk_norm,
-        micro_batch=fit_micro_batch if fit else micro_batch,
-        accumulate_grad_batches=None if fit else accumulate_grad_batches,
-        precision=precision,
-        activation_checkpointing=activation_checkpointing,
-        strategy=strategy,
-        sharding=sharding,
-        world_size=world_size,
-        shard_group=shard_group,
-        optimizer=optimizer,
-        ema=ema,
-        attention=attention,
-        device=device,
-        communication=communication,
-        interconnect=interconnect,
-        num_nodes=num_nodes,
-        repa_projector_dim=repa_projector_dim,
-        repa_feature_dim=repa_feature_dim,
-        repa_encoder_params=repa_encoder_params,
-    )
     result: Union[MemoryPlan, Recommendation]
     if fit:
         rec = recommend(
@@ -171,22 +87,123 @@ def plan(
     if format == "json":
         sys.stdout.write(result.to_json() + "\n")
     elif format == "yaml" and isinstance(result, Recommendation):
-        if world_size % num_nodes:
-            raise ValueError(f"--world_size {world_size} is not a multiple of --num_nodes {num_nodes}")
-        sys.stdout.write(render_yaml(result, num_nodes=num_nodes, fsdp2=fsdp2, shard_group=shard_group))
+        if options.world_size % options.num_nodes:
+            raise ValueError(f"--world_size {options.world_size} is not a multiple of --num_nodes {options.num_nodes}")
+        sys.stdout.write(render_yaml(result, num_nodes=options.num_nodes, fsdp2=fsdp2, shard_group=options.shard_group))
     elif isinstance(result, Recommendation):
         render_recommendation(result)
     else:
         render_memory(result)
-        if gpu is not None and world_size > 1:  # the step's communication on this GPU's links
+        if gpu is not None and options.world_size > 1:  # the step's communication on this GPU's links
             from rich.console import Console
 
-            timing = step_time(options, gpu_spec(gpu), micro_batch * world_size * accumulate_grad_batches)
+            o = options.planned()
+            assert o.micro_batch is not None and o.accumulate_grad_batches is not None
+            timing = step_time(options, gpu_spec(gpu), o.micro_batch * o.world_size * o.accumulate_grad_batches)
             Console().print(communication_line(timing.communication, timing.step_s), soft_wrap=True)
     return result
 
 
 # The help lists the GPU table as it is (one source: planner/hardware.py).
-plan.__doc__ = (
-    (plan.__doc__ or "").replace("GPU_NAMES", gpu_names()).replace("INTERCONNECT_NAMES", ", ".join(INTERCONNECTS))
+plan.__doc__ = (plan.__doc__ or "").replace("GPU_NAMES", gpu_names())
+
+RUN_HELP = (
+    "a fit run to plan: its directory (outputs/demo/version_N), its config.yaml or a checkpoint. The network, the "
+    "devices, the strategy and the levers come from it, the flags given here win; with --fit, its micro-batch, "
+    "accumulation, precision, recomputed blocks and strategy are searched unless given here."
 )
+
+
+def parser(**options: Any) -> Any:
+    """The command line of ``plan``: a flag per :class:`PlanOptions` field and per setting of
+    :func:`plan` (``options`` excepted), ``--run``, ``--fit_micro_batch`` (what ``--micro_batch``
+    was called with ``--fit``) and ``--config`` (a YAML of these flags)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    options.pop("as_positional", None)  # (an option of jsonargparse's CLI, not of a parser)
+    p = ArgumentParser(description=(plan.__doc__ or "").split("\n")[0], **options)
+    p.add_argument("--config", action=ActionConfigFile, help="a YAML of these options (a fit run's config: --run)")
+    p.add_argument("--run", type=Optional[str], default=None, help=RUN_HELP)
+    p.add_class_arguments(PlanOptions, as_group=False)
+    p.add_function_arguments(plan, skip={"options"}, as_group=False)
+    p.add_argument("--fit_micro_batch", type=Optional[int], default=None, help="with --fit: --micro_batch (pinned)")
+    return p
+
+
+def _given(args: list[str], flag: str) -> Optional[str]:
+    """The value of ``flag`` on the command line (``--run X`` or ``--run=X``; the last one wins)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _refuse_a_fit_config(args: list[str]) -> None:
+    """``plan --config <run>/config.yaml`` read a fit config as plan's own options (a parser dump)."""
+    from pathlib import Path
+
+    import yaml
+
+    config = _given(args, "--config")
+    if config is None or not Path(config).is_file():
+        return
+    try:
+        loaded = yaml.safe_load(Path(config).read_text())
+    except (OSError, yaml.YAMLError):
+        return  # jsonargparse says what is wrong with it
+    if isinstance(loaded, dict) and {"trainer", "model", "data"} & {
+        k for k, v in loaded.items() if isinstance(v, dict)
+    }:
+        raise ValueError(
+            f"--config {config} is a fit config; --config takes plan's own options. To plan that run: "
+            f"dit-lightning plan --run {config}"
+        )
+
+
+def command_line(args: list[str], **parser_options: Any) -> Union[MemoryPlan, Recommendation]:
+    """``dit-lightning plan ARGS``: parse (a run's values under the command line's), then :func:`plan`."""
+    _refuse_a_fit_config(args)
+    p = parser(**parser_options)
+    first = p.parse_args(args)  # the flags checked (and --print_config answered) before the run is read
+    run: Optional[str] = first.run
+    recorded_flags: dict[str, Any] = {}
+    notes: list[str] = []
+    if run is not None:
+        from ..planner.runs import read_run
+
+        recorded = read_run(run)
+        recorded_flags = {k: v for k, v in recorded.options.items() if not (first.fit and k in _SEARCHED)}
+        recorded_flags["fsdp2"] = recorded.fsdp2
+        if recorded.global_batch is not None:
+            recorded_flags["global_batch"] = recorded.global_batch
+        p.set_defaults(recorded_flags)
+        notes = [f"from {', '.join(recorded.sources)}", *recorded.notes]
+    cfg = (p.parse_args(args) if run is not None else first).as_dict()
+    cfg.pop("config", None)
+    cfg.pop("run", None)
+    fit_micro_batch = cfg.pop("fit_micro_batch")
+    levers = {k: cfg.pop(k) for k in _OPTIONS}
+    if fit_micro_batch is not None:
+        if levers["micro_batch"] not in (None, fit_micro_batch) and _given(args, "--micro_batch") is not None:
+            raise ValueError("--fit_micro_batch and --micro_batch differ: give one (they pin the same micro-batch)")
+        levers["micro_batch"] = fit_micro_batch
+    if run is not None and not cfg["fit"] and levers["micro_batch"] is None:
+        # the run's micro-batch: its global batch over its devices and accumulation steps
+        accumulate = levers["accumulate_grad_batches"] or PLAN_DEFAULTS["accumulate_grad_batches"]
+        per_step = levers["world_size"] * accumulate
+        if cfg["global_batch"] % per_step:
+            raise ValueError(
+                f"--run {run}: global batch {cfg['global_batch']} is not divisible by {levers['world_size']} device(s) "
+                f"x {accumulate} accumulation steps: give --micro_batch"
+            )
+        levers["micro_batch"] = recorded_flags["micro_batch"] = cfg["global_batch"] // per_step
+    if run is not None:  # what the run gave, as the flags that plan it (on stderr: stdout may be JSON)
+        spelled = {
+            k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in recorded_flags.items() if v is not None
+        }
+        shown = " ".join(f"--{k} {shlex.quote(v)}" for k, v in spelled.items())
+        print(f"--run {run}: {shown} ({'; '.join(notes)})", file=sys.stderr)
+    return plan(PlanOptions(**levers), **cfg)

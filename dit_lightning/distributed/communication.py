@@ -1,6 +1,9 @@
 """Gradient communication for DDP: PyTorch's compression hooks, PowerSGD's state in checkpoints, and a
 counter of the bytes each collective hands over (for the planner's validation).
 
+The names (``none``, ``bf16``, ``fp16``, ``powersgd``, ``powersgd:R``) and their checks are
+:mod:`dit_lightning.communication`'s, which the planner reads too.
+
 * :func:`comm_hook` -- the DDP comm hook (and its state) of a ``communication`` setting: PyTorch's own
   ``bf16_compress_hook`` / ``fp16_compress_hook`` (gradients cast to 16 bits, all-reduced, cast back) and
   ``powerSGD_hook`` (rank-r low-rank approximation of every matrix-shaped gradient, with error feedback).
@@ -20,38 +23,30 @@ import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-Communication = Literal["none", "bf16", "fp16", "powersgd"]
-COMMUNICATIONS: tuple[str, ...] = ("none", "bf16", "fp16", "powersgd")
-# Rank 4: PowerSGD's paper (Vogels et al., 2019) needed rank 4 for its LSTM language model (rank 2 sufficed
-# for ResNets). For DiT-XL/2 rank 4 still sends ~190x less than fp32 (14 MB per step, rank 1: 5 MB, the
-# uncompressed biases and adaLN vectors being a fixed part): hidden on any link, so the closer
-# approximation costs no measurable time.
-POWERSGD_RANK = 4
-POWERSGD_WARMUP_STEPS = 1000  # PyTorch's default start_powerSGD_iter: plain all-reduce while the loss falls fast
+from ..communication import Communication, communication_setting
 
 
-def check_communication(communication: str, rank: Optional[int], warmup: Optional[int]) -> None:
-    """Refuse a setting the hooks cannot run, naming the fix."""
-    if communication not in COMMUNICATIONS:
-        raise ValueError(f"communication '{communication}' is not one of {', '.join(COMMUNICATIONS)}")
-    if communication != "powersgd" and (rank is not None or warmup is not None):
+def check_communication(communication: str, rank: Optional[int], warmup: Optional[int]) -> tuple[Communication, int]:
+    """(kind, PowerSGD rank) of a DDP strategy's settings (the vocabulary of
+    :mod:`dit_lightning.communication`); a setting the hooks cannot run is refused, naming the fix."""
+    kind, rank = communication_setting(communication, rank)
+    if warmup is not None and kind != "powersgd":
         raise ValueError(
-            "powersgd_rank / powersgd_warmup_steps apply only to communication: powersgd "
-            f"(communication is '{communication}'): set communication: powersgd or drop them"
+            f"powersgd_warmup_steps applies only to communication powersgd (communication is '{communication}'): "
+            "set communication powersgd or drop powersgd_warmup_steps"
         )
-    if rank is not None and rank < 1:
-        raise ValueError(f"powersgd_rank must be >= 1 (got {rank}); 1-4 is usual")
     if warmup is not None and warmup < 2:
         raise ValueError(
             f"powersgd_warmup_steps must be >= 2 (got {warmup}): DDP rebuilds its buckets after its first step, "
             "and PowerSGD's error feedback can only start once they are final"
         )
+    return kind, rank
 
 
 def check_backend(communication: str, backend: Optional[str]) -> None:

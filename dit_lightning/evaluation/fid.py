@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..atomic import save_npz
+from ..hashing import file_sha256
 
 # What torchmetrics (through torch-fidelity) loads; the same converted TF weights are also
 # published by pytorch-fid as pt_inception-2015-12-05-6726825d.pth (same state-dict keys).
@@ -123,11 +124,7 @@ def load_inception_state_dict(path: str) -> dict[str, Tensor]:
     torch-fidelity (which unpickles with ``weights_only=False``) then reads a file written from
     the checked tensors.
     """
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    sha256 = digest.hexdigest()
+    sha256 = file_sha256(path)
     match = _HASH_IN_NAME.search(os.path.basename(path))
     if match and not sha256.startswith(match.group(1)):
         raise ValueError(

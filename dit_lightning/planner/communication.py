@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from ..communication import POWERSGD_RANK, fsdp_reduce_dtype, parse_communication
 from ..models.flops import DiTShape
 from ..precision import itemsize
 from .hardware import Interconnect, default_links, interconnect
@@ -37,16 +38,6 @@ from .memory import PlanOptions
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default, in bytes of the (fp32) gradients
 POWERSGD_MIN_COMPRESSION = 2  # PowerSGDState's min_compression_rate default
-DEFAULT_POWERSGD_RANK = 4  # the DiTDDPStrategy default
-COMMUNICATIONS = ("none", "bf16", "fp16", "powersgd")
-
-
-def parse_communication(value: str) -> tuple[str, int]:
-    """(kind, PowerSGD rank) of a ``communication`` spelling: none, bf16, fp16, powersgd, powersgd:R."""
-    kind, _, rank = value.strip().lower().partition(":")
-    if kind not in COMMUNICATIONS or (rank and (kind != "powersgd" or not rank.isdigit() or int(rank) < 1)):
-        raise ValueError(f"communication '{value}': choose none, bf16, fp16, powersgd or powersgd:R (R >= 1)")
-    return kind, int(rank) if rank else DEFAULT_POWERSGD_RANK
 
 
 def gradient_shapes(s: DiTShape, qk_norm: bool = False) -> dict[str, list[tuple[int, ...]]]:
@@ -150,7 +141,8 @@ def plan_communication(
     backward's part of it) say how much of it can be hidden."""
     o = options.planned()
     assert o.precision is not None and o.accumulate_grad_batches is not None
-    kind, rank = parse_communication(o.communication)
+    kind, named_rank = parse_communication(o.communication)
+    rank = named_rank or POWERSGD_RANK
     world, nodes = o.world_size, max(1, o.num_nodes)
     intra, network = links(o, gpu)
     strategy = "fsdp" if o.sharded else "ddp"
@@ -182,10 +174,8 @@ def plan_communication(
         if n_micro > 1:
             plan.notes.append(f"once per optimiser step: the {n_micro - 1} other micro-batches run under no_sync")
     else:
-        if kind == "powersgd":
-            raise ValueError("communication powersgd is a DDP comm hook: FSDP reduces in its reduce dtype (bf16/fp16)")
         param_bytes = itemsize(o.precision)  # the gathered weights are in the compute dtype
-        reduce_bytes = 2 if kind in ("bf16", "fp16") else 4
+        reduce_bytes = itemsize(fsdp_reduce_dtype(o.communication))  # refuses PowerSGD
         root = sum(_numel(g) for g in shapes["root"]) + s.tokens * s.hidden_size  # + the fixed pos_embed
         block = sum(_numel(g) for g in shapes["block"])
         trainable = sum(_numel(g) for g in grads)

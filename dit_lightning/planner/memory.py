@@ -36,7 +36,7 @@ from typing import Any, Literal, Optional, TypeVar, Union
 from ..models.dit import resolve_checkpoint_blocks
 from ..models.flops import DiTShape, shape_of
 from ..precision import TRAINING_PRECISIONS, TrainingPrecision, is_mixed, itemsize
-from .hardware import GPUSpec, gpu_spec
+from .hardware import INTERCONNECTS, GPUSpec, gpu_spec
 
 Strategy = Literal["ddp", "fsdp"]
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP"]
@@ -87,42 +87,58 @@ class PlanOptions:
     ``activation_checkpointing``, ``strategy``, ``sharding``) may be left unset (None):
     :func:`plan_memory` then plans :data:`PLAN_DEFAULTS` (micro-batch 32, bf16-mixed, no block
     recomputed, DDP, FULL_SHARD, no accumulation) and ``recommend`` searches them; set, they are
-    pinned. Build variants with :meth:`replace`.
+    pinned. Build variants with :meth:`replace`. The ``plan`` command has a flag per field.
 
     Args:
-        model: a registered name (``"DiT-XL/2"``) or ``"custom"`` with explicit sizes.
-        latent_size: latent side (32 for 256px images, 64 for 512px).
-        depth, hidden_size, num_heads, patch_size: override the named model's sizes (or set them for custom).
-        in_channels, num_classes, learn_sigma, mlp_ratio: the rest of the network's shape.
-        qk_norm: the model's QK-norm (LayerNorm of q and k per head): new tensors saved per block.
-        micro_batch: samples per device per forward/backward.
-        accumulate_grad_batches: >1 keeps the gradients alive through the next forward.
-        precision: Lightning precision (:data:`~dit_lightning.precision.TrainingPrecision`); ``*-mixed``
-            keeps fp32 weights and autocasts.
-        activation_checkpointing: recomputed blocks: N (the first N), none, half, all, "first:N",
-            "every:K" or a list of block indices (the model's own settings).
-        strategy, sharding, world_size: DDP (everything replicated) or FSDP (per-block wrapping;
-            FULL_SHARD shards weights, gradients, optimizer and EMA; SHARD_GRAD_OP keeps full
-            16-bit weights during forward/backward) over ``world_size`` devices.
-        shard_group: FSDP hybrid sharding (HSDP): shard within groups of this many ranks (the GPUs
-            of a node) and replicate across groups; None shards over all ranks.
+        model: a registered name (DiT-XL/2...) or custom with depth / hidden_size / num_heads / patch_size.
+        latent_size: latent side: 32 for 256px images, 64 for 512px.
+        depth: override the named model's depth (or set it for custom).
+        hidden_size: override the hidden size.
+        num_heads: override the number of heads.
+        patch_size: override the patch size.
+        in_channels: latent channels (4 for the SD VAE).
+        num_classes: number of classes (1000 for ImageNet).
+        learn_sigma: the network predicts the variance too (twice the output channels).
+        mlp_ratio: MLP width over the hidden size.
+        qk_norm: the model's QK-norm (--model.qk_norm): LayerNorm of q and k, more saved tensors per block.
+        micro_batch: per-GPU batch of one forward/backward (unset: 32 in plan mode; with --fit searched,
+            set: pinned).
+        accumulate_grad_batches: gradient accumulation; >1 keeps the gradients alive through the next
+            forward (unset: 1 in plan mode; with --fit searched, set: pinned).
+        precision: 32-true, 16-mixed or bf16-mixed: *-mixed keeps fp32 weights and autocasts (unset:
+            bf16-mixed in plan mode; with --fit searched).
+        activation_checkpointing: recomputed blocks, as the model takes them: none, all, half, first:N,
+            every:K, a number N (the first N) or a list of block indices (unset: none in plan mode;
+            with --fit searched).
+        strategy: ddp (everything replicated) or fsdp (per-block units; unset: ddp in plan mode, with
+            --fit searched).
+        sharding: FSDP sharding: FULL_SHARD shards weights, gradients, optimizer and EMA;
+            SHARD_GRAD_OP keeps full 16-bit weights during forward/backward (unset: FULL_SHARD in
+            plan mode, with --fit searched).
+        world_size: number of GPUs (data parallel), over all nodes.
+        shard_group: FSDP hybrid sharding (HSDP): shard within groups of this many GPUs (a node's)
+            and replicate across groups; unset: shard over all of them.
         ddp_gradient_as_bucket_view: DDP option that removes the bucket copy of the gradients
-            (None: False for :func:`plan_memory`, Lightning's DDPStrategy; True for ``recommend``,
-            whose answer names DiTDDPStrategy).
-        optimizer: adamw (2 fp32 states), adamw8bit (bitsandbytes), sgd (momentum).
-        fused_optimizer: fused AdamW (no full-size temporary); None: on CUDA, as the project's
+            (unset: false for plan mode, Lightning's DDPStrategy; true for --fit, whose answer names
+            DiTDDPStrategy).
+        optimizer: adamw (2 fp32 states), adamw8bit (bitsandbytes) or sgd (momentum).
+        fused_optimizer: fused AdamW (no full-size temporary); unset: on CUDA, as the project's
             module does.
         ema: keep the fp32 EMA copy of the weights.
-        attention: SDPA kernel family; ``auto`` is ``flash`` (PyTorch picks a flash,
-            memory-efficient or cuDNN kernel on GPU, and its flash kernel on CPU); ``math``
-            materialises the T x T attention matrix (reference-style code).
-        device: ``cuda`` adds the CUDA context, workspaces and allocator headroom; ``cpu``
-            predicts what the CPU allocator sees (used to validate the model).
-        communication, interconnect, num_nodes: the gradient reduction (DDP: none, bf16, fp16,
-            powersgd or powersgd:R; FSDP: none = fp32 reduce_dtype, bf16 / fp16), the link between
-            the GPUs of a node ("nvlink4", or "nvlink4+ib-ndr" with the network between nodes;
-            None: the GPU's default) and the nodes: they price the step's communication
-            (:mod:`.communication`), not its memory.
+        attention: SDPA kernel family: auto is flash (O(T): PyTorch picks a flash,
+            memory-efficient or cuDNN kernel); math materialises the T x T attention matrix.
+        device: cuda (adds the CUDA context, workspaces and allocator headroom) or cpu (what the
+            CPU allocator sees: used to validate the model).
+        repa_projector_dim: REPA's projector width (--model.repa.projector_dim, 2048); unset: no REPA.
+        repa_feature_dim: the REPA encoder's feature width (768 for DINOv2 ViT-B).
+        repa_encoder_params: the REPA encoder's parameters when it runs online (86580480 for DINOv2
+            ViT-B/14); 0: its features come from the store.
+        communication: the gradient reduction (dit_lightning.communication): DDP none (fp32), bf16,
+            fp16, powersgd or powersgd:R; FSDP none / bf16 / fp16 (its reduce_dtype); it prices the
+            step's communication (:mod:`.communication`), not its memory.
+        interconnect: the link between a node's GPUs (INTERCONNECT_NAMES), optionally +network between
+            nodes (nvlink4+ib-ndr); unset: the GPU's own.
+        num_nodes: the nodes the GPUs are spread over.
     """
 
     # the network
@@ -206,6 +222,10 @@ class PlanOptions:
     def param_counts(self) -> dict[str, int]:
         """The network's :func:`param_counts`."""
         return param_counts(self.shape, self.qk_norm)
+
+
+# The help lists the interconnect table as it is (one source: hardware.py).
+PlanOptions.__doc__ = (PlanOptions.__doc__ or "").replace("INTERCONNECT_NAMES", ", ".join(INTERCONNECTS))
 
 
 @dataclass

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
+from ..communication import fsdp_reduce_dtype, parse_communication
 from ..models.flops import training_flops
 from ..precision import TrainingPrecision, best_mixed_precision, is_mixed, to_dtype
-from .communication import CommunicationPlan, parse_communication, plan_communication
+from .communication import CommunicationPlan, plan_communication
 from .hardware import GPUS, GPUSpec, gpu_spec, local_gpu
 from .memory import (
     GiB,
@@ -291,7 +292,7 @@ def recommend(
         layouts = [("ddp", None), ("fsdp", "SHARD_GRAD_OP"), ("fsdp", "FULL_SHARD")]
     if parse_communication(o.communication)[0] == "powersgd":
         if world > 1 and o.strategy == "fsdp":
-            raise ValueError("communication powersgd is DDP's (a comm hook): with FSDP choose none, bf16 or fp16")
+            fsdp_reduce_dtype(o.communication)  # refused, in the words the FSDP strategies use
         layouts = [("ddp", None)]
     micro_batch = o.micro_batch
     if o.accumulate_grad_batches is not None:
@@ -416,20 +417,20 @@ def recommend(
         f"--model.activation_checkpointing {best.activation_checkpointing}",
     ]
     if world > 1:
-        kind = parse_communication(o.communication)[0]
+        kind, named_rank = parse_communication(o.communication)
         if best.strategy == "ddp":  # the project's DDP strategy: gradient_as_bucket_view=True
             args += ["--trainer.strategy dit_lightning.distributed.DiTDDPStrategy"]
             if kind != "none":
                 args += [f"--trainer.strategy.communication {kind}"]
-                if kind == "powersgd" and ":" in o.communication:
-                    args += [f"--trainer.strategy.powersgd_rank {parse_communication(o.communication)[1]}"]
+                if named_rank is not None:
+                    args += [f"--trainer.strategy.powersgd_rank {named_rank}"]
         else:  # FSDP1, one unit per DiTBlock and per DiT (model and EMA)
             args += [
                 "--trainer.strategy dit_lightning.distributed.DiTFSDPStrategy",
                 f"--trainer.strategy.sharding_strategy {best.sharding}",
             ]
             if kind != "none":
-                args += [f"--trainer.strategy.reduce_dtype {'bfloat16' if kind == 'bf16' else 'float16'}"]
+                args += [f"--trainer.strategy.reduce_dtype {fsdp_reduce_dtype(kind)}"]
     assumptions = [
         f"utilisation {util:.2f} of the dense {best.precision} peak ({_peak_tflops(spec, best.precision):g} "
         f"TFLOP/s on {spec.name}) applied to executed FLOPs"

@@ -127,7 +127,7 @@ def _run(
 
 
 def ddp(communication: str = "none", **options: Any) -> DiTDDPStrategy:
-    return DiTDDPStrategy(process_group_backend="gloo", communication=communication, **options)  # type: ignore[arg-type]
+    return DiTDDPStrategy(process_group_backend="gloo", communication=communication, **options)
 
 
 RUNS = {

@@ -127,10 +127,13 @@ def test_powersgd_resumes_bit_for_bit_from_a_weights_only_checkpoint(runs):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(communication="int8"), "not one of none, bf16, fp16, powersgd"),
-        (dict(communication="bf16", powersgd_rank=2), "apply only to communication: powersgd"),
+        (dict(communication="int8"), "'int8' is not understood: choose none, bf16, fp16, powersgd or powersgd:R"),
+        (dict(communication="powersgd:0"), "'powersgd:0' is not understood"),
+        (dict(communication="bf16", powersgd_rank=2), "powersgd_rank applies only to communication powersgd"),
+        (dict(communication="bf16", powersgd_warmup_steps=10), "powersgd_warmup_steps applies only to"),
         (dict(communication="powersgd", powersgd_warmup_steps=1), "DDP rebuilds its buckets"),
         (dict(communication="powersgd", powersgd_rank=0), "powersgd_rank must be >= 1"),
+        (dict(communication="powersgd:2", powersgd_rank=3), "names rank 2 and powersgd_rank is 3: give the rank once"),
     ],
 )
 def test_a_setting_the_hooks_cannot_run_is_refused_with_the_fix(kwargs, match):
@@ -162,3 +165,92 @@ def test_the_options_are_config_keys(capsys):
     args = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]["init_args"]
     assert args["communication"] == "powersgd" and args["powersgd_rank"] == 2
     assert "powersgd_warmup_steps" in args
+
+
+def test_the_planners_spelling_of_a_rank_is_the_strategys():
+    ranked = DiTDDPStrategy(communication="powersgd:2")
+    assert (ranked.communication, ranked.powersgd_rank) == ("powersgd", 2)
+    assert DiTDDPStrategy(communication="powersgd", powersgd_rank=2).powersgd_rank == 2
+    assert DiTDDPStrategy(communication="powersgd").powersgd_rank == 4
+
+
+# ---- the command line: the project's own one-line message, never jsonargparse's "Expected a <class 'str'>"
+
+DDP = ["--trainer.strategy", "dit_lightning.distributed.DiTDDPStrategy"]
+FSDP2 = ["--trainer.strategy", "dit_lightning.distributed.DiTFSDP2Strategy"]
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (
+            [*DDP, "--trainer.strategy.communication", "powersgd:0"],
+            1,
+            "DiTDDPStrategy: communication 'powersgd:0' is not understood: choose none, bf16, fp16, powersgd or "
+            "powersgd:R (R >= 1)",
+        ),
+        ([*DDP, "--trainer.strategy.communication", "banana"], 1, "DiTDDPStrategy: communication 'banana' is not"),
+        (
+            [*DDP, "--trainer.strategy.powersgd_rank", "0"],
+            1,
+            "DiTDDPStrategy: powersgd_rank applies only to communication powersgd (communication is 'none'): set "
+            "communication powersgd or drop powersgd_rank",
+        ),
+        (
+            [*DDP, "--trainer.strategy.communication", "powersgd", "--trainer.strategy.powersgd_rank", "0"],
+            1,
+            "DiTDDPStrategy: powersgd_rank must be >= 1 (got 0)",
+        ),
+        (
+            [*FSDP2, "--trainer.strategy.communication", "powersgd"],
+            2,
+            "--trainer.strategy.communication: DiTFSDP2Strategy has no option 'communication': FSDP has no comm hook: "
+            "it reduce-scatters its gradients in its reduce_dtype",
+        ),
+        (
+            [*DDP, "--trainer.strategy.powersgd_rank", "two"],
+            2,
+            "--trainer.strategy.powersgd_rank: expected int or None",
+        ),
+    ],
+    ids=["powersgd:0", "banana", "rank-without-powersgd", "rank-0", "powersgd-under-fsdp2", "rank-not-a-number"],
+)
+def test_a_bad_communication_is_the_projects_one_line_message(store, capsys, args, code, message):
+    from dit_lightning.cli import main
+    from tests.helpers.cli import DEMO, TINY
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", DEMO, *TINY, "--data.path", store, "--trainer.logger", "false", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == code and f"dit-lightning fit: error: {message}" in err, err
+    assert "Expected a <class" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 2, err
+
+
+def test_a_strategys_class_path_alone_is_the_class(store, tmp_path, capsys, monkeypatch):
+    """`--trainer.strategy dit_lightning.distributed.DiTDDPStrategy` with no option of its own was taken for
+    a registered name, lower-cased ("invalid strategy name"). (In this process: the Trainer is built, then
+    the command stops before fitting.)"""
+    from dit_lightning.cli import main
+    from dit_lightning.lightning_cli import DiTCLI
+    from tests.helpers.cli import fit_args
+
+    built = {}
+    instantiate_trainer = DiTCLI.instantiate_trainer
+
+    def stop_once_built(self, **kwargs):
+        built["trainer"] = instantiate_trainer(self, **kwargs)
+        raise RuntimeError("stopped by the test")
+
+    monkeypatch.setattr(DiTCLI, "instantiate_trainer", stop_once_built)
+    args = [*fit_args(tmp_path, "run", 1), "--data.path", store]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*args, *DDP])
+    err = capsys.readouterr().err
+    assert "stopped by the test" in err and "invalid strategy name" not in err, err
+    assert type(built["trainer"].strategy) is DiTDDPStrategy
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--trainer.strategy", "dit_lightning.distributed.NoSuchStrategy"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "--trainer.strategy dit_lightning.distributed.NoSuchStrategy: no such class" in err

@@ -68,7 +68,7 @@ def test_fsdp_gathers_in_the_compute_dtype_and_reduce_scatters_in_the_reduce_dty
     assert full["all_gather"] == 2 * (total + block)  # the blocks again in the backward
     assert full["reduce_scatter"] == 4 * P  # reduce_dtype float32 ("none")
     assert plan_communication(fsdp.replace(communication="bf16"), "a100-80gb").payload["reduce_scatter"] == 2 * P
-    with pytest.raises(ValueError, match="DDP comm hook"):
+    with pytest.raises(ValueError, match="FSDP has no comm hook"):
         plan_communication(fsdp.replace(communication="powersgd"), "a100-80gb")
 
 
