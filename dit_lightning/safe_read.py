@@ -220,3 +220,19 @@ def resolve_class_path(name: str, *, trusted: bool, option: str, source: str = "
     if not hasattr(found, attr):
         raise ValueError(f"{option} {name!r}: the module {module} has no {attr}")
     return getattr(found, attr)
+
+
+def read_json_object(path: Union[str, os.PathLike[str]], fix: str = "", context: str = "") -> dict[str, Any]:
+    """A JSON object from a foreign file (a config of a model directory): a file that cannot be read or
+    does not hold an object raises a ValueError naming it, ``context`` first and ``fix`` last."""
+    import json
+
+    prefix = f"{context}: " if context else ""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{prefix}cannot read {path} ({type(e).__name__}: {e}){fix and ': ' + fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix}{path} holds a {type(data).__name__}, not a JSON object")
+    return data

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..models.dit import sincos_2d
+from ..safe_read import read_json_object
 
 StateDict = dict[str, Tensor]  # (formats.StateDict; not imported: formats reads through this module)
 
@@ -268,24 +269,13 @@ def dit_config_from_diffusers(config: dict[str, Any], where: str = "config.json"
 # ---------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
-    return data
-
-
 def _transformer_dir(path: Path) -> Optional[Path]:
     """The folder of a diffusers DiT's config and weights: ``path`` itself or its ``transformer/``."""
     for d in (path / "transformer", path):
         config = d / "config.json"
         if config.is_file():
             try:
-                name = _read_json(config).get("_class_name")
+                name = read_json_object(config).get("_class_name")
             except ValueError:
                 continue
             if name in TRANSFORMER_CLASSES:
@@ -324,7 +314,7 @@ def _load_safetensors(path: Path) -> tuple[StateDict, dict[str, str]]:
 def _load_weights_dir(d: Path) -> StateDict:
     index = d / _INDEX_FILE
     if index.is_file():
-        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        files = sorted(set(read_json_object(index).get("weight_map", {}).values()))
         sd: StateDict = {}
         for name in files:
             sd.update(_load_safetensors(d / name)[0])
@@ -347,7 +337,7 @@ def _scheduler_args(d: Path, notes: list[str]) -> dict[str, Any]:
     config = d / "scheduler_config.json"
     if not config.is_file():
         return {}
-    found = noise_schedule_of(_read_json(config))
+    found = noise_schedule_of(read_json_object(config))
     if found is None:
         notes.append(
             f"the betas of {config} are not dit-lightning's linear or cosine schedule: sampling uses the "
@@ -371,16 +361,16 @@ def read_diffusers(path: Union[str, Path]) -> tuple[StateDict, dict[str, Any], d
     if d is None:
         raise ValueError(f"'{path}' is not a diffusers DiT: no config.json with _class_name in {TRANSFORMER_CLASSES}")
     root = d.parent if d != path else path
-    config = _read_json(d / "config.json")
+    config = read_json_object(d / "config.json")
     cfg, notes = dit_config_from_diffusers(config, str(d / "config.json"))
     sd = from_diffusers_state_dict(_load_weights_dir(d), cfg["input_size"] // cfg["patch_size"])
-    info = _read_json(root / INFO_FILE) if (root / INFO_FILE).is_file() else {}
+    info = read_json_object(root / INFO_FILE) if (root / INFO_FILE).is_file() else {}
     args: dict[str, Any] = {"model_config": cfg, "num_heads": cfg["num_heads"]}
     args.update(_scheduler_args(root / "scheduler", notes))
     vae_dir = root / "vae"
     if (vae_dir / "config.json").is_file():
         args["vae"] = str(vae_dir.resolve())
-        args["scale_factor"] = float(_read_json(vae_dir / "config.json").get("scaling_factor", 0.18215))
+        args["scale_factor"] = float(read_json_object(vae_dir / "config.json").get("scaling_factor", 0.18215))
     elif info.get("vae"):
         args["vae"] = str(info["vae"])
         if info.get("scale_factor") is not None:
@@ -407,7 +397,7 @@ def read_safetensors(path: Union[str, Path]) -> tuple[StateDict, dict[str, Any],
                 f"'{path}' holds diffusers names but has no config.json next to it: pass the diffusers "
                 "directory (with its config.json) instead"
             )
-        cfg, notes = dit_config_from_diffusers(_read_json(config_path), str(config_path))
+        cfg, notes = dit_config_from_diffusers(read_json_object(config_path), str(config_path))
         mapped = from_diffusers_state_dict(sd, cfg["input_size"] // cfg["patch_size"])
         return mapped, {"model_config": cfg, "num_heads": cfg["num_heads"]}, {"notes": notes}
     if "pos_embed" not in sd and not any(k.startswith("blocks.") for k in sd):

@@ -27,7 +27,6 @@ as the encoder was trained -> patch tokens without class / register tokens, in f
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Optional
@@ -36,7 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..safe_read import FileKind, UntrustedClassError, is_class_path_syntax, read_state_dict, resolve_class_path
+from ..safe_read import (
+    FileKind,
+    UntrustedClassError,
+    is_class_path_syntax,
+    read_json_object,
+    read_state_dict,
+    resolve_class_path,
+)
 from .repa import REPAOptions
 
 # REPA's ImageNet choice, spelled as timm names it.
@@ -267,17 +273,6 @@ def _timm_encoder(name: str, options: REPAOptions) -> FrozenEncoder:
     )
 
 
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{OPTION}: cannot read {path} ({type(e).__name__}: {e}): copy the directory again") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{OPTION}: {path} holds a {type(data).__name__}, not a JSON object")
-    return data
-
-
 def _directory_weights(path: str) -> tuple[dict[str, Tensor], list[str]]:
     """The state dict of a save_pretrained directory (one file, or the shards its index lists),
     safetensors first, read by the foundation's reader; and the files read."""
@@ -286,7 +281,7 @@ def _directory_weights(path: str) -> tuple[dict[str, Tensor], list[str]]:
         if os.path.isfile(os.path.join(path, name)):
             files = [os.path.join(path, name)]
         elif os.path.isfile(index):
-            shards = _read_json(index).get("weight_map", {})
+            shards = read_json_object(index, "copy the directory again", OPTION).get("weight_map", {})
             files = [os.path.join(path, os.path.basename(str(f))) for f in sorted(set(shards.values()))]
         else:
             continue
@@ -306,7 +301,7 @@ def _transformers_encoder(path: str, image_size: Optional[int]) -> FrozenEncoder
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"{OPTION} {path}: a directory without config.json is not a save_pretrained directory")
-    if "auto_map" in _read_json(config_file):
+    if "auto_map" in read_json_object(config_file, "copy the directory again", OPTION):
         raise ValueError(
             f"{OPTION} {path}: its config.json has an auto_map entry: the network is defined by Python files of the "
             "directory, which are never run (remote code is off). Use a model transformers defines itself (e.g. the "
@@ -339,7 +334,7 @@ def _transformers_encoder(path: str, image_size: Optional[int]) -> FrozenEncoder
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the ImageNet statistics DINOv2 / ViTs use
     processor = os.path.join(path, "preprocessor_config.json")
     if os.path.isfile(processor):  # read as data: its own auto_map (processor code) is never used
-        proc = _read_json(processor)
+        proc = read_json_object(processor, "copy the directory again", OPTION)
         mean, std = tuple(proc.get("image_mean", mean)), tuple(proc.get("image_std", std))
     return FrozenEncoder(
         net.float(),
