@@ -77,8 +77,9 @@ def export_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     ckpt = read_checkpoint(checkpoint, tmp_dir=out.parent)
     stop_point()  # read, nothing written yet: where a signal stops an export (dit_lightning.signals)
-    # What the checkpoint holds beyond the network, which no format carries: the caller says so
-    left_out = ["the REPA projector (training only: sampling never uses it)"] if ckpt.args.get("repa") else []
+    # What a training checkpoint holds beyond the network, which no format carries: the caller says so
+    projector = ckpt.format in ("lightning", "sharded") and bool(ckpt.args.get("repa"))
+    left_out = ["the REPA projector (training only: sampling never uses it)"] if projector else []
     if format == "diffusers":
         written = export_diffusers(ckpt, out, weights, scheduler=scheduler, store=store, vae=vae)
         return {"format": format, **written, "left_out": left_out}
