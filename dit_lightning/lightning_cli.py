@@ -500,7 +500,7 @@ class DiTCLI(LightningCLI):
         architecture...) removes the directories it created on its way there: the run directory of a
         run that never ran would take the next version number."""
         trainer = self.trainer
-        loops = [trainer.fit_loop.epoch_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop]
+        loops: list[Any] = [trainer.fit_loop.epoch_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop]
         if trainer.global_step > 0 or any(loop.batch_progress.total.started for loop in loops):
             return
         for path in created:

@@ -62,7 +62,7 @@ def _signal_during_write(name: str, signums: list[int]) -> None:
                 sent = True
                 yield _SignallingFile(f, signums)
 
-    atomic.atomic_open = signalling_open  # type: ignore[assignment]
+    atomic.atomic_open = signalling_open
 
 
 def main(argv: list[str]) -> None:
