@@ -93,6 +93,7 @@ def test_a_command_refused_before_its_first_batch_leaves_no_run_directory(traine
     assert list(tmp_path.iterdir()) == []  # the demo's logger writes to outputs/demo, in the working directory
 
 
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")  # Lightning: the fit's callbacks
 def test_the_digits_metrics_refuse_a_store_that_is_not_the_digits(trained, tmp_path, capsys):
     """`test` scored a model of other 1-channel, 10-class images (MNIST) with the 8x8 digits' classifier
     and reference ("accuracy 0.10, FD 103"; real MNIST scores 0.14) without a word."""
