@@ -14,11 +14,17 @@ every standard Lightning knob working, and one directory per run.
   enables it, as the demo's does): ``--sample_grid.enabled false``, ``--sample_grid.num_steps 20``...
   A ``SampleGrid`` listed in ``trainer.callbacks`` replaces it.
 - Each ``fit`` is a run directory of the logger (``outputs/demo/version_N`` with its checkpoints,
-  config, samples and logs), named with its last checkpoint when the fit ends;
-  ``outputs/demo/last.ckpt`` links the last checkpoint of the newest run that has saved one (only a
-  write moves it) and ``--ckpt_path last`` reads it, saying which run and step it found. Resuming a
-  run's checkpoint continues in that run's directory; ``validate`` / ``test`` / ``predict`` of it
-  log there too, at the checkpoint's step (a CSV log is appended to, not replaced: ``RunCSVLogger``).
+  config, samples and logs), named in its first line and with its last checkpoint when the fit
+  ends; ``outputs/demo/last.ckpt`` links the last checkpoint of the newest run that has saved one
+  (only a write moves it) and ``--ckpt_path last`` reads it (or the newest ``last.ckpt`` in
+  ``--checkpoint.dirpath`` when that is set), saying which run and step it found. Resuming a run's
+  checkpoint continues in that run's directory; ``validate`` / ``test`` / ``predict`` of it log
+  there too, at the checkpoint's step. Every CSV logger is a ``RunCSVLogger``: a continued run
+  appends to the ``metrics.csv`` it finds, whatever the layout. A command refused before its first
+  batch removes the directories it created.
+- ``data.prepare: digits`` builds the digits store only at the path of the config that asks for it
+  (a mistyped ``--data.path`` is refused); the ``digits`` metrics are left out, with a note, on
+  any other store.
 - Errors a class raises while it is built (a model setting that does not work, a bad ``init_from``)
   are reported as themselves, without jsonargparse's wrapping of the ``model`` union; options are
   never abbreviated; a GPU accelerator on a machine without one is refused before anything is built.
@@ -346,7 +352,7 @@ class DiTCLI(LightningCLI):
         append = self.subcommand != "fit" or sub.get("ckpt_path") is not None
         logger = sub.get("trainer", {}).get("logger")
         for lg in logger if isinstance(logger, list) else [logger]:
-            if hasattr(lg, "get") and lg.get("class_path") in (*_CSV_LOGGERS, _RUN_CSV_LOGGER):
+            if hasattr(lg, "get") and lg.get("class_path") in (*_CSV_LOGGERS, _RUN_CSV_LOGGER) and lg.get("init_args"):
                 lg["class_path"] = _RUN_CSV_LOGGER
                 lg["init_args"]["append"] = append
 
@@ -392,45 +398,51 @@ class DiTCLI(LightningCLI):
         for where, what, option in places:
             check_writable(where, what, f"Set {option} to a writable location (nothing was trained yet).")
 
-    def _setters(self, key: str) -> list[str]:
-        """Where ``data.<key>`` is set, in the order jsonargparse applies them: each ``--config`` file
-        that has it, and ``--data.<key>`` on the command line (as ``command line``)."""
-        found: list[str] = []
+    def _setters(self, key: str) -> list[tuple[str, Any]]:
+        """(where, value) of each setting of ``data.<key>``, in the order jsonargparse applies them: each
+        ``--config`` file that has it, and ``--data.<key>`` on the command line (as ``command line``)."""
+        found: list[tuple[str, Any]] = []
         args = self._args[1:]
         for i, arg in enumerate(args):
-            option, _, value = arg.partition("=")
+            option, equals, value = arg.partition("=")
+            if not equals and i + 1 < len(args):
+                value = args[i + 1]
             if option == f"--data.{key}":
-                found.append("command line")
-            elif option == "--config" and (value or i + 1 < len(args)):
-                name = value or args[i + 1]
+                found.append(("command line", value))
+            elif option == "--config" and value:
                 try:
-                    with open(name) as f:
+                    with open(value) as f:
                         config = yaml.safe_load(f)
                 except (OSError, yaml.YAMLError):
                     continue  # not a file (a JSON string: the checkpoint's settings) or not readable
                 data = config.get("data") if isinstance(config, dict) else None
-                if isinstance(data, dict) and key in (data.get("init_args") or data):
-                    found.append(name)
+                data = (data.get("init_args") or data) if isinstance(data, dict) else {}
+                if key in data:
+                    found.append((value, data[key]))
         return found
 
     def _check_digits_path(self, data: Any) -> None:
         """``data.prepare: digits`` builds the bundled 8x8 digits store where ``data.path`` points when
-        nothing is there: only at the path the same config (or the command line, with
-        ``--data.prepare digits``) gives. A typo in ``--data.path`` on top of configs/demo.yaml built the
-        digits at the typo and trained on them."""
+        nothing is there: only at the path the config that asks for it gives (or wherever the command
+        line says ``--data.prepare digits``). A typo in ``--data.path`` on top of configs/demo.yaml built
+        the digits at the typo and trained on them."""
         if not hasattr(data, "get") or data.get("prepare") != "digits" or not data.get("path"):
             return
         path = str(data["path"])
         if os.path.exists(path):
             return  # a store (the digits one is checked when prepared) or another directory (refused then)
         paths, prepares = self._setters("path"), self._setters("prepare")
-        if not paths or not prepares or "command line" in prepares or paths[-1] == prepares[-1]:
+        if not paths or not prepares or prepares[-1][0] == "command line":
             return
-        where = "--data.path" if paths[-1] == "command line" else f"data.path in {_shown(paths[-1])}"
+        asking = prepares[-1][0]  # the config that asks for the digits store, and the path it gives
+        own = [value for where, value in paths if where == asking]
+        if own and os.path.abspath(str(own[-1])) == os.path.abspath(path):
+            return
+        where = "--data.path" if paths[-1][0] == "command line" else f"data.path in {_shown(paths[-1][0])}"
         raise FileNotFoundError(
-            f"{where} {path} does not exist, and {_shown(prepares[-1])} builds the bundled 8x8 digits store "
-            f"(data.prepare: digits) only at its own data.path. If {path} is your store, check the path (a typo?); "
-            f"to build the digits store there, add --data.prepare digits."
+            f"{where} {path} does not exist, and {_shown(asking)} builds the bundled 8x8 digits store "
+            f"(data.prepare: digits) only at its own data.path{f' ({own[-1]})' if own else ''}. If {path} is your "
+            "store, check the path (a typo?); to build the digits store there, add --data.prepare digits."
         )
 
     # ---- the Trainer --------------------------------------------------------------------------
