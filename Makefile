@@ -1,6 +1,7 @@
 # The two commands a fresh machine needs (see README):
 #   make demo   install, prepare the bundled digits store, train the demo DiT, write the sample grid,
-#               then test it: held-out loss and how many generated digits a classifier recognises
+#               then test it: held-out loss and how many generated digits a classifier recognises;
+#               ARGS="--trainer.max_steps 200 ..." are overrides for the fit (and its test)
 #   make test   install with the test extras, check lint / format / types, run the test suite
 #   make lint   ruff (lint + format check) and mypy
 # On a machine with one CUDA GPU (docs/benchmarks/README.md):
@@ -14,6 +15,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 GPU_CHECK_ARGS ?=
+ARGS ?=
 GPU_WHEELS ?= jsonargparse docstring-parser typeshed-client importlib-resources importlib-metadata diffusers
 WHEEL_PYTHON ?= 3.12
 
@@ -38,16 +40,17 @@ install: $(VENV)/.installed-test
 # trained, by the path the fit records, not the shared outputs/demo/last.ckpt another run may move.
 demo: $(VENV)/.installed-demo
 	@run=$$(mktemp) && trap 'rm -f "$$run"' EXIT && set -x && \
-	$(BIN)/dit-lightning fit --config configs/demo.yaml --checkpoint.last_path_file "$$run" && \
-	$(BIN)/dit-lightning test --config configs/demo.yaml --ckpt_path "$$(cat "$$run")"
+	$(BIN)/dit-lightning fit --config configs/demo.yaml $(ARGS) --checkpoint.last_path_file "$$run" && \
+	$(BIN)/dit-lightning test --config configs/demo.yaml $(ARGS) --ckpt_path "$$(cat "$$run")"
 
 lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# --durations: the slowest tests, to keep the suite inside CI's time limit
 test: install lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: install
 	$(BIN)/python benchmarks/bench_optimizations.py --device cpu

@@ -17,7 +17,7 @@ import traceback
 from typing import NoReturn, Optional
 
 from .commands import TOOLS
-from .signals import SignalGuard
+from .signals import SignalGuard, signal_behind
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 DEBUG_ENV = "DIT_LIGHTNING_DEBUG"
@@ -222,6 +222,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"\ndit-lightning {args[0]}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except Exception as error:  # every other error: one clear message, the traceback on request
+        stop = signal_behind(error)
+        if stop is not None:  # a second signal stopped a library's write, which then failed on its half-written file
+            stop.report(f"dit-lightning {args[0]}")
+            raise stop from None
         if debug:
             raise
         name = type(error).__name__

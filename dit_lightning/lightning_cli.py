@@ -14,11 +14,17 @@ every standard Lightning knob working, and one directory per run.
   enables it, as the demo's does): ``--sample_grid.enabled false``, ``--sample_grid.num_steps 20``...
   A ``SampleGrid`` listed in ``trainer.callbacks`` replaces it.
 - Each ``fit`` is a run directory of the logger (``outputs/demo/version_N`` with its checkpoints,
-  config, samples and logs), named with its last checkpoint when the fit ends;
-  ``outputs/demo/last.ckpt`` links the last checkpoint of the newest run that has saved one (only a
-  write moves it) and ``--ckpt_path last`` reads it, saying which run and step it found. Resuming a
-  run's checkpoint continues in that run's directory; ``validate`` / ``test`` / ``predict`` of it
-  log there too, at the checkpoint's step (a CSV log is appended to, not replaced: ``RunCSVLogger``).
+  config, samples and logs), named in its first line and with its last checkpoint when the fit
+  ends; ``outputs/demo/last.ckpt`` links the last checkpoint of the newest run that has saved one
+  (only a write moves it) and ``--ckpt_path last`` reads it (or the newest ``last.ckpt`` in
+  ``--checkpoint.dirpath`` when that is set), saying which run and step it found. Resuming a run's
+  checkpoint continues in that run's directory; ``validate`` / ``test`` / ``predict`` of it log
+  there too, at the checkpoint's step. Every CSV logger is a ``RunCSVLogger``: a continued run
+  appends to the ``metrics.csv`` it finds, whatever the layout. A command refused before its first
+  batch removes the directories it created.
+- ``data.prepare: digits`` builds the digits store only at the path of the config that asks for it
+  (a mistyped ``--data.path`` is refused); the ``digits`` metrics are left out, with a note, on
+  any other store.
 - Errors a class raises while it is built (a model setting that does not work, a bad ``init_from``)
   are reported as themselves, without jsonargparse's wrapping of the ``model`` union; options are
   never abbreviated; a GPU accelerator on a machine without one is refused before anything is built.
@@ -33,21 +39,30 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import yaml
 from jsonargparse import ArgumentError
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from .autofit import AutoFitConfig
-from .callbacks.checkpoint import LATEST, DiTModelCheckpoint, newest_run_checkpoint, run_directory_of
+from .callbacks.checkpoint import (
+    LATEST,
+    DiTModelCheckpoint,
+    newest_last_checkpoint,
+    newest_run_checkpoint,
+    run_directory_of,
+)
 from .callbacks.config_logger import ConfigLogger
 from .callbacks.fault_tolerance import FaultTolerance, NonFiniteLossError
 from .callbacks.generation import GenerationMetrics
@@ -59,9 +74,11 @@ from .module import DiTModule
 from .plugins import AtomicCheckpointIO, RunCSVLogger
 from .ranks import close_process_group
 from .signals import SignalExit
+from .vae import vae_reference
 
-# Lightning's CSV logger deletes a directory's metrics.csv: a continued run logs with RunCSVLogger
+# Lightning's CSV logger deletes a directory's metrics.csv: the CLI logs with RunCSVLogger
 _CSV_LOGGERS = ("lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.loggers.csv_logs.CSVLogger")
+_RUN_CSV_LOGGER = f"{RunCSVLogger.__module__}.{RunCSVLogger.__name__}"
 
 # Classes a checkpoint's hyper-parameters may name (``_class_path``): this package's, and the
 # prefixes a user trusts explicitly (comma-separated). Naming a class imports its module.
@@ -71,7 +88,7 @@ _EVAL = ("validate", "test", "predict")
 
 
 def _store_vae(data: LatentDataModule) -> str:
-    return data.spec.vae
+    return vae_reference(data.spec.vae)  # a store's local VAE directory, readable from any directory
 
 
 def _shown(path: Union[str, Path]) -> str:
@@ -182,7 +199,8 @@ def _check_accelerator(trainer: Any) -> None:
 def _quiet_third_party() -> None:
     """Silence what users cannot act on: torch's LeafSpec deprecation raised from inside Lightning
     2.6's own pytree code, LightningCLI's note about ``args`` (our ``main`` passes them on purpose),
-    and Lightning's advertisements for its cloud products."""
+    Lightning's advertisements for its cloud products, and its "Seed set to N" (the config has it;
+    a fit's first line is its run directory)."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
 
@@ -192,6 +210,8 @@ def _quiet_third_party() -> None:
 
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_NoTips())
+    # "Seed set to 0" came before everything, the run directory included: the seed is in the run's config
+    logging.getLogger("lightning.fabric.utilities.seed").addFilter(lambda r: not r.getMessage().startswith("Seed set"))
 
 
 class DiTModelSummary(ModelSummary):
@@ -296,13 +316,7 @@ class DiTCLI(LightningCLI):
         ckpt_path = sub_ckpt_path = sub.get("ckpt_path")
         root = self._logger_root(sub)
         if ckpt_path == "last":
-            found = newest_run_checkpoint(root) if root is not None else None
-            if found is None:
-                raise FileNotFoundError(
-                    f"--ckpt_path last: no checkpoint of this config yet (looked for {root}/{LATEST} and "
-                    f"{root}/version_*/checkpoints/{LATEST}); train first, or give the checkpoint's path"
-                )
-            ckpt_path = str(found)
+            ckpt_path = str(self._last_checkpoint(sub, root))
         elif ckpt_path is None and subcommand in _EVAL:
             model = sub.get("model", {})
             init_from = model.get("init_args", model).get("init_from") if hasattr(model, "get") else None
@@ -318,7 +332,9 @@ class DiTCLI(LightningCLI):
         self._continue_run(sub, subcommand, ckpt_path, root)
         state = self._training_state(ckpt_path)
         self._resumed_step = state.step  # names the config record of a resumed run
-        if sub_ckpt_path == "last":  # the link is shared by every run of the config: say which one it found
+        if (
+            sub_ckpt_path == "last" and subcommand != "fit"
+        ):  # say which run the shared link found (fit's first line does)
             run = run_directory_of(ckpt_path, root) if root is not None else None
             rank_zero_info(f"--ckpt_path last: {f'run {run}, ' if run else ''}step {state.step} ({_shown(ckpt_path)})")
         hparams = self._checkpoint_hparams(state)
@@ -328,6 +344,25 @@ class DiTCLI(LightningCLI):
             self.config = self.parser.parse_args([self._args[0], "--config", recorded, *self._args[1:]])
             self.config[subcommand].ckpt_path = ckpt_path
             self._continue_run(self.config[subcommand], subcommand, ckpt_path, root)
+
+    @staticmethod
+    def _last_checkpoint(sub: Any, root: Optional[Path]) -> Path:
+        """What ``--ckpt_path last`` reads: the newest ``last*.ckpt`` in ``--checkpoint.dirpath`` when
+        the config sets one (where its fits write), else the newest run's under the logger's root."""
+        checkpoint = sub.get("checkpoint")
+        dirpath = checkpoint.get("dirpath") if hasattr(checkpoint, "get") else None
+        if dirpath:
+            found = newest_last_checkpoint(dirpath)
+            looked = f"{Path(dirpath) / LATEST} (--checkpoint.dirpath)"
+        else:
+            found = newest_run_checkpoint(root) if root is not None else None
+            looked = f"{root}/{LATEST} and {root}/version_*/checkpoints/{LATEST}"
+        if found is None:
+            raise FileNotFoundError(
+                f"--ckpt_path last: no checkpoint of this config yet (looked for {looked}); train first, or give "
+                "the checkpoint's path"
+            )
+        return found
 
     @staticmethod
     def _training_state(ckpt_path: str) -> TrainingState:
@@ -377,9 +412,17 @@ class DiTCLI(LightningCLI):
         if logger["init_args"].get("version") is None:
             logger["init_args"]["version"] = version
             self._resumed_run = version
-        if logger["init_args"].get("version") == version and logger.get("class_path") in _CSV_LOGGERS:
-            # Lightning's would delete the run's metrics.csv (whoever named the run's version)
-            logger["class_path"] = f"{RunCSVLogger.__module__}.{RunCSVLogger.__name__}"
+
+    def _keep_metrics_history(self, sub: Any) -> None:
+        """Every CSV logger is a :class:`RunCSVLogger`: a continued run (a resumed fit, validate / test /
+        predict) appends to the ``metrics.csv`` it finds, whatever the layout (Lightning's deletes it);
+        a new fit starts its directory's file anew, as Lightning's does."""
+        append = self.subcommand != "fit" or sub.get("ckpt_path") is not None
+        logger = sub.get("trainer", {}).get("logger")
+        for lg in logger if isinstance(logger, list) else [logger]:
+            if hasattr(lg, "get") and lg.get("class_path") in (*_CSV_LOGGERS, _RUN_CSV_LOGGER) and lg.get("init_args"):
+                lg["class_path"] = _RUN_CSV_LOGGER
+                lg["init_args"]["append"] = append
 
     # ---- settings checked before anything is built ---------------------------------------------
     def _check_settings(self, sub: Any) -> None:
@@ -391,6 +434,7 @@ class DiTCLI(LightningCLI):
             return node.get(key) if hasattr(node, "get") else None
 
         _check_accelerator(get(sub, "trainer"))
+        self._check_digits_path(get(sub, "data"))
         model = get(sub, "model")
         lr = get(get(get(get(model, "init_args") or model, "optimizer"), "init_args"), "lr")
         if isinstance(lr, (int, float)) and not isinstance(lr, bool) and (lr < 0 or lr != lr):
@@ -422,11 +466,59 @@ class DiTCLI(LightningCLI):
         for where, what, option in places:
             check_writable(where, what, f"Set {option} to a writable location (nothing was trained yet).")
 
+    def _setters(self, key: str) -> list[tuple[str, Any]]:
+        """(where, value) of each setting of ``data.<key>``, in the order jsonargparse applies them: each
+        ``--config`` file that has it, and ``--data.<key>`` on the command line (as ``command line``)."""
+        found: list[tuple[str, Any]] = []
+        args = self._args[1:]
+        for i, arg in enumerate(args):
+            option, equals, value = arg.partition("=")
+            if not equals and i + 1 < len(args):
+                value = args[i + 1]
+            if option == f"--data.{key}":
+                found.append(("command line", value))
+            elif option == "--config" and value:
+                try:
+                    with open(value) as f:
+                        config = yaml.safe_load(f)
+                except (OSError, yaml.YAMLError):
+                    continue  # not a file (a JSON string: the checkpoint's settings) or not readable
+                data = config.get("data") if isinstance(config, dict) else None
+                data = (data.get("init_args") or data) if isinstance(data, dict) else {}
+                if key in data:
+                    found.append((value, data[key]))
+        return found
+
+    def _check_digits_path(self, data: Any) -> None:
+        """``data.prepare: digits`` builds the bundled 8x8 digits store where ``data.path`` points when
+        nothing is there: only at the path the config that asks for it gives (or wherever the command
+        line says ``--data.prepare digits``). A typo in ``--data.path`` on top of configs/demo.yaml built
+        the digits at the typo and trained on them."""
+        if not hasattr(data, "get") or data.get("prepare") != "digits" or not data.get("path"):
+            return
+        path = str(data["path"])
+        if os.path.exists(path):
+            return  # a store (the digits one is checked when prepared) or another directory (refused then)
+        paths, prepares = self._setters("path"), self._setters("prepare")
+        if not paths or not prepares or prepares[-1][0] == "command line":
+            return
+        asking = prepares[-1][0]  # the config that asks for the digits store, and the path it gives
+        own = [value for where, value in paths if where == asking]
+        if own and os.path.abspath(str(own[-1])) == os.path.abspath(path):
+            return
+        where = "--data.path" if paths[-1][0] == "command line" else f"data.path in {_shown(paths[-1][0])}"
+        raise FileNotFoundError(
+            f"{where} {path} does not exist, and {_shown(asking)} builds the bundled 8x8 digits store "
+            f"(data.prepare: digits) only at its own data.path{f' ({own[-1]})' if own else ''}. If {path} is your "
+            "store, check the path (a typo?); to build the digits store there, add --data.prepare digits."
+        )
+
     # ---- the Trainer --------------------------------------------------------------------------
     def before_instantiate_classes(self) -> None:
         sub = self.config[self.subcommand]
         self._check_settings(sub)
         _strategy_class(sub.get("trainer"))
+        self._keep_metrics_history(sub)
         logger = sub.get("trainer", {}).get("logger")
         loggers = logger if isinstance(logger, list) else [logger]
         for lg in loggers:
@@ -449,6 +541,52 @@ class DiTCLI(LightningCLI):
                 raise
             raise error from error.__cause__  # its own cause stays; the wrappers go
 
+    # ---- nothing refused before work leaves a directory ------------------------------------------
+    def _run_subcommand(self, subcommand: str) -> None:
+        created = self._directories_to_create()
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception:
+            self._remove_unused(created)
+            raise
+
+    def _directories_to_create(self) -> list[Path]:
+        """The topmost directories that the run directory and the checkpoint directory would create
+        (on rank 0; local paths only)."""
+        if getattr(rank_zero_only, "rank", 0) != 0:
+            return []
+        trainer = self.trainer
+        targets = []
+        logger = trainer.loggers[0] if trainer.loggers else None
+        if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+            targets.append(logger.log_dir)
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None) if self.subcommand == "fit" else None
+        if dirpath:
+            targets.append(dirpath)
+        tops: list[Path] = []
+        for target in targets:
+            if "://" in str(target):
+                continue
+            path = Path(target).absolute()
+            if path.exists():
+                continue
+            while not path.parent.exists():
+                path = path.parent
+            if path not in tops:
+                tops.append(path)
+        return tops
+
+    def _remove_unused(self, created: list[Path]) -> None:
+        """A command refused before its first batch (a store that does not fit, a checkpoint of another
+        architecture...) removes the directories it created on its way there: the run directory of a
+        run that never ran would take the next version number."""
+        trainer = self.trainer
+        loops: list[Any] = [trainer.fit_loop.epoch_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop]
+        if trainer.global_step > 0 or any(loop.batch_progress.total.started for loop in loops):
+            return
+        for path in created:
+            shutil.rmtree(path, ignore_errors=True)
+
     def after_fit(self) -> None:
         """Name the run and its last checkpoint: the path that reads this run, whatever another run
         does to the shared ``last.ckpt`` link."""
@@ -459,6 +597,51 @@ class DiTCLI(LightningCLI):
         last = getattr(trainer.checkpoint_callback, "last_model_path", "")
         saved = f"last checkpoint {_shown(last)}" if last and os.path.exists(last) else "no checkpoint saved"
         print(f"fit: run {_shown(run)} ended at step {trainer.global_step}; {saved}", flush=True)
+
+    def _measure_what_the_metrics_fit(self, evaluation: Any) -> None:
+        """The ``digits`` metrics score the bundled 8x8 digits only (their classifier and reference are
+        those digits): on another store they are left out, with a notice naming the fix."""
+        metrics = list(getattr(evaluation, "metrics", None) or [])
+        if "digits" not in metrics or self.subcommand == "predict":
+            return
+        from .evaluation.digits import digits_data_mismatch
+
+        why = digits_data_mismatch(self.datamodule.spec)
+        if why is None:
+            return
+        evaluation.metrics = [m for m in metrics if m != "digits"]
+        if getattr(rank_zero_only, "rank", 0) == 0:
+            print(
+                f"dit-lightning {self.subcommand}: note: the digits metrics score only the bundled 8x8 digits "
+                f"(data.prepare: digits); {why}: not measured. For your own images use --evaluation.metrics "
+                "[fid] with --evaluation.reference DIR, or --evaluation.metrics [] for the held-out loss alone.",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _announce_run(self, trainer_config: Any, checkpoint: Any, resumed: Optional[str]) -> None:
+        """The first line of a fit: its run directory (where the logger writes, as ``trainer.log_dir``
+        will say), its checkpoint directory when that lies elsewhere, and the step it resumes."""
+        if getattr(rank_zero_only, "rank", 0) != 0:
+            return
+        root = trainer_config.get("default_root_dir") or os.getcwd()
+        logger = trainer_config.get("logger")
+        first = (logger[0] if logger else None) if isinstance(logger, list) else logger
+        if first is None or first is True:  # Lightning's default logger: <default_root_dir>/lightning_logs/version_N
+            first = CSVLogger(root)
+        if first is False:
+            run = str(root)
+        elif isinstance(first, (TensorBoardLogger, CSVLogger)):
+            run = first.log_dir  # picks the next version_N (nothing is created yet)
+        else:
+            run = str(getattr(first, "save_dir", None) or root)
+        where = [f"fit: run {_shown(run)}"]
+        dirpath = getattr(checkpoint, "dirpath", None)
+        if dirpath and not Path(dirpath).resolve().is_relative_to(Path(run).resolve()):
+            where.append(f"checkpoints in {_shown(dirpath)}")
+        if resumed is not None:
+            where.append(f"resuming step {getattr(self, '_resumed_step', 0)} of {_shown(resumed)}")
+        print("; ".join(where), flush=True)
 
     def _explicit_settings(self) -> dict[str, Any]:
         """The levers auto-fit must keep: those the configs or the command line set (defaults excluded)."""
@@ -493,6 +676,15 @@ class DiTCLI(LightningCLI):
         elif any(isinstance(c, SampleGrid) for c in user_callbacks):
             dropped.add("sample_grid")  # the user's grid replaces the section's
         parser.callback_keys = [k for k in parser.callback_keys if k not in dropped]
+        if "evaluation" in parser.callback_keys:
+            self._measure_what_the_metrics_fit(self._get(self.config_init, "evaluation"))
+        if self.subcommand == "fit":
+            checkpoint = self._get(self.config_init, "checkpoint") if "checkpoint" in parser.callback_keys else None
+            resumed = self.config[self.subcommand].get("ckpt_path")
+            for cb in [checkpoint, *user_callbacks]:
+                if isinstance(cb, DiTModelCheckpoint):
+                    cb.resumed_from = resumed
+            self._announce_run(trainer_config, checkpoint, resumed)
         # ---- auto-fit (issue 19): decide before the Trainer exists; the callback applies and recovers
         auto_fit = AutoFitConfig.of(self._get(self.config_init, "auto_fit", default=None))
         if self.subcommand == "fit" and auto_fit is not None:

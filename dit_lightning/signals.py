@@ -77,6 +77,20 @@ class SignalExit(SystemExit):
         self.reported = True
 
 
+def signal_behind(error: BaseException) -> Optional[SignalExit]:
+    """The :class:`SignalExit` that ``error`` was raised while handling, if any: a signal that stops
+    at once can land inside a library's write, whose clean-up then fails on the half-written file
+    (``torch.save``: "enforce fail at inline_container.cc ... unexpected pos") and hides the stop."""
+    seen: set[int] = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, SignalExit):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 _guards: list[SignalGuard] = []  # those in force, innermost last
 
 

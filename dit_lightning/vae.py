@@ -18,6 +18,15 @@ def is_pixel_space(vae: Optional[str]) -> bool:
     return not vae or vae.startswith(PIXEL_VAE_PREFIX)
 
 
+def vae_reference(name: str) -> str:
+    """A VAE as a store or a run records it: a local directory (``save_pretrained``) as its absolute
+    path, so that a command run from another directory finds it (there a relative ``tiny-vae`` would
+    read as a hub id); a hub id, or ``none/pixels``, as given."""
+    if name and not is_pixel_space(name) and os.path.isdir(name):
+        return os.path.abspath(name)
+    return name
+
+
 def clip_denoised_for(vae: Optional[str]) -> bool:
     """The ``clip_denoised`` a store decoded by ``vae`` samples with: True for pixel stores
     (values known to lie in [-1, 1], as ADM samples pixel models), False for VAE latents

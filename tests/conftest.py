@@ -19,6 +19,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _in_a_temporary_directory(tmp_path, monkeypatch):
+    """Every test runs in its own temporary directory: what a command writes at a relative path (the
+    demo config's outputs/demo and data/digits, an --output) never lands in the repository, or in a
+    user's outputs/demo beside it (tests/test_first_run.py checks this from a copy of the repository).
+    A test that reads the repository's files names them from ``tests.helpers.cli.ROOT``."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread, for modules of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``):

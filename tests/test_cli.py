@@ -122,6 +122,32 @@ def test_a_resumed_run_continues_in_its_directory_and_records_its_config_at_the_
     assert [int(r["step"]) for r in rows if r.get("test/loss")] == [3]  # the last checkpoint's step
 
 
+def test_continued_runs_keep_every_metrics_row_whatever_the_loggers_layout(tmp_path):
+    """A named logger version with checkpoints elsewhere (not <root>/version_K/checkpoints): `validate`
+    and a resumed `fit` deleted the run's metrics.csv (Lightning's CSVLogger), and `--ckpt_path last`
+    looked for the link under the logger's root, not in --checkpoint.dirpath where the fit wrote it."""
+    args = fit_args(tmp_path, "runs", 2)
+    args[args.index("--trainer.logger.version") + 1] = "first"
+    args[args.index("--checkpoint.dirpath") + 1] = str(tmp_path / "elsewhere")
+    run_cli(args, tmp_path)
+    metrics = tmp_path / "runs" / "first" / "metrics.csv"
+    history = metrics.read_bytes()
+    assert set(losses(metrics.parent)) == {0, 1} and history.count(b"\n") == 3  # the header and two rows
+    run_cli(["validate", *args[1:], "--ckpt_path", "last"], tmp_path)
+    after = metrics.read_bytes()
+    rows = list(csv.DictReader(open(metrics)))
+    assert len(after) > len(history) and len(rows) == 3 and set(losses(metrics.parent)) == {0, 1}
+    assert [int(r["step"]) for r in rows if r.get("val/loss")] == [2]  # the checkpoint's step
+    args[args.index("--trainer.max_steps") + 1] = "3"
+    resumed = run_cli([*args, "--ckpt_path", "last"], tmp_path)
+    rows = list(csv.DictReader(open(metrics)))
+    assert set(losses(metrics.parent)) == {0, 1, 2} and len(rows) == 4 and metrics.stat().st_size > len(after)
+    # the fit names its run first; resuming into its own checkpoint directory is no cause for a warning
+    first_line = "fit: run runs/first; checkpoints in elsewhere; resuming step 2 of elsewhere/last.ckpt"
+    assert resumed.stdout.splitlines()[0] == first_line  # (paths shown relative to the working directory)
+    assert "exists and is not empty" not in resumed.stderr
+
+
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml") if p.name != "demo.yaml")
 
 

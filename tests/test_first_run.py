@@ -41,9 +41,9 @@ def workdir(tmp_path_factory) -> Path:
     return d
 
 
-def make_demo(workdir: Path) -> subprocess.CompletedProcess:
-    """`make demo` as the Makefile writes it (its install step skipped), with `dit-lightning` this
-    checkout's CLI on the demo shrunk to seconds."""
+def make_demo(workdir: Path, args: str = "") -> subprocess.CompletedProcess:
+    """`make demo ARGS=args` as the Makefile writes it (its install step skipped), with `dit-lightning`
+    this checkout's CLI on the demo shrunk to seconds."""
     if shutil.which("make") is None:
         pytest.skip("needs make")
     bin_dir = workdir / "bin"
@@ -54,7 +54,7 @@ def make_demo(workdir: Path) -> subprocess.CompletedProcess:
     if not (workdir / "configs").exists():
         (workdir / "configs").symlink_to(ROOT / "configs")  # the recipe names configs/demo.yaml
     proc = subprocess.run(
-        ["make", "-f", str(ROOT / "Makefile"), "-o", ".venv/.installed-demo", f"BIN={bin_dir}", "demo"],
+        ["make", "-f", str(ROOT / "Makefile"), "-o", ".venv/.installed-demo", f"BIN={bin_dir}", f"ARGS={args}", "demo"],
         cwd=workdir, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -65,7 +65,7 @@ def make_demo(workdir: Path) -> subprocess.CompletedProcess:
 def two_runs(workdir) -> dict:
     """Two runs in one tree: a fit, then `make demo` (a fit, then `test` of the run it trained)."""
     first = run_cli(["fit", *SMALL], workdir)
-    second = make_demo(workdir)
+    second = make_demo(workdir, "--seed_everything 7")  # an override for the fit (and its test)
     return {"first": first, "second": second, "root": workdir / "outputs" / "demo"}
 
 
@@ -92,7 +92,12 @@ def test_each_run_keeps_its_own_record_and_last_is_the_newest(two_runs):
     # each fit names its run; the second says it took the shared link over from the first
     for n, proc in enumerate((two_runs["first"], two_runs["second"])):
         run = f"outputs/demo/version_{n}"
+        assert proc.stdout.splitlines()[0] == f"fit: run {run}"  # where to look, before anything else
         assert f"fit: run {run} ended at step 4; last checkpoint {run}/checkpoints/last.ckpt" in proc.stdout
+    # `make demo ARGS=...` passed its overrides to the fit and to the test of the run it trained
+    for record in ("config.yaml", "test-config.yaml"):
+        assert yaml.safe_load((root / "version_1" / record).read_text())["seed_everything"] == 7
+    assert yaml.safe_load((root / "version_0" / "config.yaml").read_text())["seed_everything"] == 0
     taken = "outputs/demo/last.ckpt now points at this run's last checkpoint (version_1, step 4), not version_0's"
     assert taken in two_runs["second"].stderr and "now points" not in two_runs["first"].stderr
     # `make demo` tested the run it trained, by the path its fit recorded (not the shared link), and
@@ -303,6 +308,8 @@ def test_help_is_short_and_complete(workdir):
     assert len(run_cli(["fit", "--help"], workdir).stdout.splitlines()) < 1100
     top = run_cli(["--help"], workdir).stdout
     assert all(name in top for name in ("fit", "test", "sample", "evaluate", "prepare-digits", "plan", "--debug"))
+    export = next(line for line in top.splitlines() if line.strip().startswith("export "))
+    assert "safetensors" in export and "diffusers" in export  # every format export writes
     for tool in ("sample", "evaluate", "export", "consolidate", "prune", "plan", "prepare-digits", "extract"):
         text = run_cli([tool, "--help"], workdir).stdout
         undocumented = re.findall(r"^  --(\w+) \S+\s*\n\s+\(type:", text, re.M)
@@ -332,3 +339,49 @@ def test_last_checkpoint_holds_the_final_step_between_periodic_saves(workdir, tm
     ckpts = tmp_path / "version_0" / "checkpoints"
     assert torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == 5
     assert torch.load(ckpts / "epoch=0-step=3.ckpt", weights_only=True)["global_step"] == 3
+
+
+def test_the_demo_as_typed_writes_in_the_working_directory_and_names_its_run_first(capsys, recwarn, one_thread):
+    """The demo as a new user types it, no paths: its data/digits and outputs/demo are relative to the
+    working directory, which every test gets as a temporary one (the suite's autouse fixture: running
+    the suite after `make demo` left a run, version_2, in the user's outputs/demo). The run directory
+    is the fit's first line, and resuming into it is no cause for Lightning's "exists and is not empty"."""
+    from dit_lightning.cli import main
+
+    assert Path.cwd() != ROOT
+    tiny = [
+        *SMALL, "--model.sample_steps", "2", "--sample_grid.enabled", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", "--trainer.callbacks=[]", "--trainer.max_steps",
+    ]  # fmt: skip
+    main(["fit", *tiny, "2"])
+    assert capsys.readouterr().out.splitlines()[0] == "fit: run outputs/demo/version_0"
+    assert Path("data/digits/meta.json").is_file() and Path("outputs/demo/version_0/checkpoints/last.ckpt").is_file()
+    main(["fit", *tiny, "3", "--ckpt_path", "last"])
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (
+        "fit: run outputs/demo/version_0; resuming step 2 of outputs/demo/version_0/checkpoints/last.ckpt"
+    )
+    assert "ended at step 3" in out and not [w for w in recwarn if "exists and is not empty" in str(w.message)]
+
+
+def _listing(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def test_the_suite_writes_nothing_into_the_repository(tmp_path):
+    """The proof of the fixture above: the representative test run by pytest from a copy of the
+    repository, as `make test` runs the suite, leaves the copy as it was (no data/, no outputs/)."""
+    copy = tmp_path / "repository"
+    copy.mkdir()
+    for name in ("dit_lightning", "tests", "configs"):
+        shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    before = _listing(copy)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "pytest"),
+         "tests/test_first_run.py::test_the_demo_as_typed_writes_in_the_working_directory_and_names_its_run_first"],
+        cwd=copy, env={**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _listing(copy) - before == set()

@@ -2,11 +2,12 @@
 
 Each notebook is copied to a temporary folder and executed there with nbclient in a fresh
 kernel of this interpreter (``notebooks/execute.py`` puts a ``python3`` kernelspec pointing at
-``sys.executable`` first on JUPYTER_PATH), with ``notebooks/`` as the working directory, as
-Jupyter starts it. The committed notebooks are never written. Their outputs go to a throw-away
-folder under ``outputs/`` (``DIT_NOTEBOOK_OUTPUTS``, relative to the repository root, removed at
-the end); the digits store is the shared ``data/digits`` the demo also uses. 01 runs before 03,
-so 03 samples from the quickstart's checkpoint, as it does for a user.
+``sys.executable`` first on JUPYTER_PATH), with the ``notebooks/`` folder of a temporary
+repository as the working directory, as Jupyter starts it: its package, configs and docs link to
+this checkout's, and what the notebooks write relative to the repository root (``data/digits``,
+``outputs/``: ``DIT_NOTEBOOK_OUTPUTS``) lands there, never in this checkout. The committed
+notebooks are never written. 01 runs before 03, so 03 samples from the quickstart's checkpoint, as
+it does for a user.
 """
 
 from __future__ import annotations
@@ -48,13 +49,23 @@ runner = _runner()
 
 
 @pytest.fixture(scope="module")
-def outputs_dir():
-    rel = Path("outputs") / f"test-notebooks-{os.getpid()}"
-    yield rel
-    shutil.rmtree(ROOT / rel, ignore_errors=True)
+def repository(tmp_path_factory) -> Path:
+    """A temporary repository whose package, configs and docs are this checkout's (linked): the
+    notebooks find it as their root and write their data/ and outputs/ into it."""
+    repo = tmp_path_factory.mktemp("repository")
+    for name in ("dit_lightning", "configs", "docs", "benchmarks"):
+        (repo / name).symlink_to(ROOT / name, target_is_directory=True)
+    shutil.copyfile(ROOT / "pyproject.toml", repo / "pyproject.toml")
+    (repo / "notebooks").mkdir()
+    return repo
 
 
-def _execute(name: str, outputs_dir: Path, tmp_path: Path, monkeypatch):
+@pytest.fixture(scope="module")
+def outputs_dir(repository):
+    return Path("outputs") / "test-notebooks"  # relative to the repository root, as a user's
+
+
+def _execute(name: str, outputs_dir: Path, tmp_path: Path, monkeypatch, repository: Path):
     src = NOTEBOOKS / name
     committed = src.read_bytes()
     copy = tmp_path / name
@@ -62,7 +73,8 @@ def _execute(name: str, outputs_dir: Path, tmp_path: Path, monkeypatch):
     monkeypatch.setenv("DIT_NOTEBOOK_FAST", "1")
     monkeypatch.setenv("DIT_NOTEBOOK_OUTPUTS", str(outputs_dir))
     start = time.perf_counter()
-    nb = runner.execute_notebook(copy, cwd=NOTEBOOKS, output=copy)  # raises CellExecutionError on any error
+    # raises CellExecutionError on any error
+    nb = runner.execute_notebook(copy, cwd=repository / "notebooks", output=copy)
     seconds = time.perf_counter() - start
     assert src.read_bytes() == committed, "the committed notebook was modified"
     assert seconds < MAX_SECONDS, f"{name} took {seconds:.0f} s with FAST"
@@ -71,7 +83,8 @@ def _execute(name: str, outputs_dir: Path, tmp_path: Path, monkeypatch):
     # The notebooks print paths relative to the repository root, never this machine's (a
     # dependency's warning naming its own file in the environment, e.g. .venv/, is not ours).
     env = [sys.prefix, os.path.realpath(sys.prefix)]
-    leaks = runner.find_machine_paths(nb, prefixes=[str(ROOT), os.path.realpath(ROOT)], allowed=env)
+    roots = [str(ROOT), os.path.realpath(ROOT), str(repository), os.path.realpath(repository)]
+    leaks = runner.find_machine_paths(nb, prefixes=roots, allowed=env)
     assert not leaks, leaks
     return nb
 
@@ -110,8 +123,8 @@ def test_committed_notebooks_are_executed_and_clean():
         assert not runner.find_machine_paths(nb), f"{path.name}: machine paths in the committed outputs"
 
 
-def test_quickstart(outputs_dir, tmp_path, monkeypatch):
-    nb = _execute("01_quickstart.ipynb", outputs_dir, tmp_path, monkeypatch)
+def test_quickstart(outputs_dir, tmp_path, monkeypatch, repository):
+    nb = _execute("01_quickstart.ipynb", outputs_dir, tmp_path, monkeypatch, repository)
     assert _images(nb.cells) >= 3  # real digits, loss curve, sample grid
     assert _images([_tagged(nb, "sample-grid")]) == 1
     accuracy = _text(_tagged(nb, "accuracy"))
@@ -119,7 +132,7 @@ def test_quickstart(outputs_dir, tmp_path, monkeypatch):
     assert found, accuracy
     assert int(found[2]) >= 200, "too few samples for a meaningful accuracy"
     assert float(found[1]) / 100 >= MIN_QUICKSTART_ACCURACY, f"the FAST quickstart model is not trained: {accuracy}"
-    run = ROOT / outputs_dir / "quickstart"
+    run = repository / outputs_dir / "quickstart"
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert (run / "samples.png").is_file()
     assert list(run.glob("version_*/events.out.tfevents.*")), "no TensorBoard event file"
@@ -140,16 +153,16 @@ def test_sampling_fallback_trains_the_quickstart_recipe():
     assert _recipe_lines(NOTEBOOKS / "03_sampling.ipynb") == _recipe_lines(NOTEBOOKS / "01_quickstart.ipynb")
 
 
-def test_memory_and_throughput(outputs_dir, tmp_path, monkeypatch):
-    nb = _execute("02_memory_and_throughput.ipynb", outputs_dir, tmp_path, monkeypatch)
+def test_memory_and_throughput(outputs_dir, tmp_path, monkeypatch, repository):
+    nb = _execute("02_memory_and_throughput.ipynb", outputs_dir, tmp_path, monkeypatch, repository)
     text = "".join(_text(c) for c in nb.cells)
     assert "| DiT-XL/2 |" in text and "| DiT-S/8 |" in text  # the tables cover every size
     assert "sampling_cpu.csv" in text  # the committed benchmark results are read
     assert _images(nb.cells) >= 6
 
 
-def test_sampling(outputs_dir, tmp_path, monkeypatch):
-    nb = _execute("03_sampling.ipynb", outputs_dir, tmp_path, monkeypatch)
+def test_sampling(outputs_dir, tmp_path, monkeypatch, repository):
+    nb = _execute("03_sampling.ipynb", outputs_dir, tmp_path, monkeypatch, repository)
     assert _images([_tagged(nb, "grids")]) == 1
     speed = _text(_tagged(nb, "speed"))
     assert "ms / image" in speed and "DDPM-" in speed and "DDIM-" in speed

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
+
 from dit_lightning.plugins import RunCSVLogger
 
 
@@ -44,3 +46,32 @@ def test_a_fresh_directory_is_written_as_lightning_writes_it(tmp_path):
     logger.save()
     header, got = rows(tmp_path / "version_0" / "metrics.csv")
     assert header == ["a", "b", "step"] and got == [{"a": "2.0", "b": "1.0", "step": "0"}]
+
+
+def test_a_new_run_starts_the_file_anew_as_lightnings_does(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("a,step\n1.0,0\n")
+    logger = RunCSVLogger(str(tmp_path), name="", version="run", append=False)
+    with pytest.warns(UserWarning, match="will be deleted"):  # Lightning's warning says so
+        logger.log_metrics({"b": 2.0}, step=0)
+    logger.save()
+    assert rows(run / "metrics.csv") == (["b", "step"], [{"b": "2.0", "step": "0"}])
+
+
+def test_the_temporary_of_a_killed_rewrite_is_removed_by_the_next_run(tmp_path):
+    """A rewrite of metrics.csv (a new column) killed half-way leaves its temporary beside the file."""
+    run = tmp_path / "version_0"
+    run.mkdir()
+    history = "train/loss,step\n0.5,0\n0.4,1\n"
+    (run / "metrics.csv").write_text(history)
+    stale = run / ".metrics.csv.k1lled_1.tmp"
+    stale.write_text(history + "0.3,2\n")
+    other = run / ".config.yaml.abcd1234.tmp"  # another writer's, maybe in flight: not the logger's to remove
+    other.write_text("x")
+    logger = RunCSVLogger(str(tmp_path), name="", version="version_0")
+    with pytest.warns(UserWarning, match="left by a rewrite of metrics.csv that was interrupted"):
+        logger.log_metrics({"train/loss": 0.3}, step=2)
+    logger.save()
+    assert not stale.exists() and other.exists()
+    assert (run / "metrics.csv").read_text() == history + "0.3,2\n"  # every earlier byte kept, one row appended

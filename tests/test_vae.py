@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dit_lightning.vae import clip_denoised_for, decode_latents, is_pixel_space, load_vae
+from dit_lightning.vae import clip_denoised_for, decode_latents, is_pixel_space, load_vae, vae_reference
 from tests.helpers.data import make_tiny_vae
 
 
@@ -30,3 +30,17 @@ def test_a_saved_vae_decodes_latents_divided_by_the_scale(tmp_path):
 def test_a_missing_vae_says_how_to_get_one(tmp_path):
     with pytest.raises(RuntimeError, match="save_pretrained"):
         load_vae(str(tmp_path / "nowhere"))
+
+
+def test_a_local_vae_directory_is_recorded_by_its_absolute_path(tmp_path):
+    """`extract --vae tiny-vae` recorded the relative name: `sample` from another directory took it
+    for a hub id (and retried the hub for a minute)."""
+    from dit_lightning.lightning_cli import _store_vae
+
+    (tmp_path / "tiny-vae").mkdir()  # the working directory is tmp_path
+    assert vae_reference("tiny-vae") == str(tmp_path / "tiny-vae")
+    assert vae_reference("stabilityai/sd-vae-ft-ema") == "stabilityai/sd-vae-ft-ema"  # a hub id, as given
+    assert vae_reference("none/pixels") == "none/pixels"
+    # a store recorded before: the run's record (the model's vae, in its checkpoints) is made absolute
+    store = type("Store", (), {"spec": type("Spec", (), {"vae": "tiny-vae"})()})()
+    assert _store_vae(store) == str(tmp_path / "tiny-vae")

@@ -44,6 +44,19 @@ def newest_run_checkpoint(root: Union[str, Path]) -> Optional[Path]:
     return max(versions)[1] if versions else None
 
 
+_LAST_VERSION = re.compile(r"^last(-v\d+)?\.ckpt$")
+
+
+def newest_last_checkpoint(dirpath: Union[str, Path]) -> Optional[Path]:
+    """The newest ``last.ckpt`` (or ``last-vN.ckpt``, a second run's into the same directory) in a
+    checkpoint directory, by modification time; None if there is none."""
+    directory = Path(dirpath)
+    if not directory.is_dir():
+        return None
+    found = [p for p in directory.iterdir() if _LAST_VERSION.match(p.name) and p.exists()]
+    return max(found, key=lambda p: p.stat().st_mtime).resolve() if found else None
+
+
 def run_directory_of(checkpoint: Union[str, Path], root: Union[str, Path]) -> Optional[str]:
     """The version (run directory name) under ``root`` that holds ``checkpoint``, if any."""
     try:
@@ -113,6 +126,8 @@ class DiTModelCheckpoint(ModelCheckpoint):
         self.last_path_file = last_path_file
         self._user_dirpath = self.dirpath is not None
         self._linked: Optional[str] = None
+        # the checkpoint a fit resumes (set by the CLI; the Trainer knows it only after ``setup``)
+        self.resumed_from: Optional[str] = None
         self.run_root: Optional[Path] = None  # <logger>, when checkpoints live in <logger>/version_N/checkpoints
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -126,6 +141,14 @@ class DiTModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and self.dirpath:
             # a save killed half-way leaves a temporary as large as a checkpoint, or the previous one aside
             _clean_up_interrupted_saves(Path(self.dirpath))
+
+    def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath: Any) -> None:
+        # Lightning warns "Checkpoint directory ... exists and is not empty" on every fit into a used
+        # directory: not for a run resuming its own checkpoint there (every documented resume)
+        resumed = self.resumed_from
+        if resumed and dirpath and Path(resumed).resolve().parent == Path(dirpath).resolve():
+            return
+        ModelCheckpoint._ModelCheckpoint__warn_if_dir_not_empty(self, dirpath)  # type: ignore[attr-defined]
 
     def _refresh_link(self, trainer: L.Trainer) -> None:
         """This run has just written its last checkpoint (``last_model_path``): record its path in

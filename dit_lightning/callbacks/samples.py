@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -149,6 +150,12 @@ class SampleGrid(L.Callback):
     def render(self, trainer: L.Trainer, pl_module) -> Tensor:
         labels = self._labels(pl_module)
         self.last_steps = self.sampling_steps(trainer, len(labels))
+        # A grid at the end of a long run takes minutes: a log file says what it is doing, and for how long
+        what = f"sample grid at step {trainer.global_step}: {len(labels)} images ({len(labels) // self.per_class} "
+        what += f"classes x {self.per_class}), {self.last_steps} sampling steps"
+        if trainer.is_global_zero:
+            print(f"{what}: sampling...", flush=True)
+        started = time.perf_counter()
         latents = pl_module.sample(
             labels,
             num_steps=self.last_steps,
@@ -160,6 +167,7 @@ class SampleGrid(L.Callback):
         self.last_grid = make_grid_image(images, nrow=self.per_class)
         self._last_step = trainer.global_step
         if trainer.is_global_zero:
+            print(f"{what}: done in {time.perf_counter() - started:.1f} s", flush=True)
             factor = max(self.upscale, -(-256 // self.last_grid.shape[-1]))
             shown = self.last_grid.repeat_interleave(factor, dim=1).repeat_interleave(factor, dim=2)
             log_image(trainer, "samples/grid", shown, trainer.global_step)

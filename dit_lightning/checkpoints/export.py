@@ -70,16 +70,21 @@ def export_checkpoint(
     :func:`~.diffusers_export.export_diffusers`: ``scheduler``, ``store``, ``vae``). ``weights``:
     which set the single-set formats hold, ``ema`` (default; the trained weights when there is
     no EMA) or ``raw``. Written atomically; a sharded directory is merged next to ``output``.
-    Returns what was written (``output``, ``format``, and ``notes`` for the user).
+    Returns what was written (``output``, ``format``, ``notes`` for the user, and ``left_out``: what the
+    checkpoint holds that the export does not, e.g. a REPA projector).
     """
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     ckpt = read_checkpoint(checkpoint, tmp_dir=out.parent)
     stop_point()  # read, nothing written yet: where a signal stops an export (dit_lightning.signals)
+    # What a training checkpoint holds beyond the network, which no format carries: the caller says so
+    projector = ckpt.format in ("lightning", "sharded") and bool(ckpt.args.get("repa"))
+    left_out = ["the REPA projector (training only: sampling never uses it)"] if projector else []
     if format == "diffusers":
-        return {"format": format, **export_diffusers(ckpt, out, weights, scheduler=scheduler, store=store, vae=vae)}
+        written = export_diffusers(ckpt, out, weights, scheduler=scheduler, store=store, vae=vae)
+        return {"format": format, **written, "left_out": left_out}
     if format == "safetensors":
-        return {"format": format, **export_safetensors(ckpt, out, weights)}
+        return {"format": format, **export_safetensors(ckpt, out, weights), "left_out": left_out}
     obj: dict[str, Any]
     args = export_args(ckpt, dit_config_of(ckpt)[0])
     if format == "raw":
@@ -93,4 +98,4 @@ def export_checkpoint(
         from .sidecar import write_sidecar
 
         write_sidecar(out, args)
-    return {"output": str(out), "format": format, "notes": []}
+    return {"output": str(out), "format": format, "notes": [], "left_out": left_out}

@@ -12,7 +12,11 @@ from typing import Any
 TOOLS: dict[str, tuple[str, str, str]] = {
     "extract": ("extract", "extract", "an ImageFolder -> a latent store (VAE posteriors), resumable, multi-GPU"),
     "prepare-digits": ("prepare_digits", "prepare_digits", "the demo's store from scikit-learn's bundled digits"),
-    "export": ("export", "export", "a checkpoint -> the reference {model, ema, opt, args} file or raw weights"),
+    "export": (
+        "export",
+        "export",
+        "a checkpoint -> reference {model, ema, opt, args}, raw, .safetensors or diffusers DiTPipeline",
+    ),
     "consolidate": ("consolidate", "consolidate", "a sharded (FSDP) checkpoint directory -> one file"),
     "prune": ("prune", "prune", "a smaller DiT: fewer blocks, MLP channels or heads"),
     "plan": ("plan", "plan", "predicted GPU memory; --fit: the fastest setting that fits a GPU"),

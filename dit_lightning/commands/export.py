@@ -67,4 +67,11 @@ def export(
     for note in report.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
     print(f"exported {checkpoint} -> {output} ({format} format)")
+    left_out = list(report.get("left_out", []))
+    if report.get("vae_status") == "pixels":
+        left_out.append("vae/ (a pixel model: it generates pixels, there is nothing to decode)")
+    elif report.get("vae_status") == "missing":
+        left_out.append(f"vae/ (could not be written offline: {report.get('vae_note')}; see the note above)")
+    for what in left_out:
+        print(f"  left out: {what}")
     return output

@@ -477,7 +477,9 @@ class LatentDataModule(L.LightningDataModule):
         random_flip: Pick the stored flip at random in training (stores with flips).
         sample_posterior: Draw z = mean + std * eps in training (variant "moments"); if False,
             training uses the posterior mean.
-        prepare: "digits": build the digits demo store at ``path`` if it is missing.
+        prepare: "digits": build the digits demo store at ``path`` if it is missing (the CLI builds
+            it only at the ``data.path`` of the config that asks for it, or with ``--data.prepare
+            digits`` on the command line: a mistyped ``--data.path`` is refused, not filled with digits).
         digits_size: Side of the digits images (multiple of 8) when ``prepare="digits"``.
         drop_last: Drop the last incomplete optimizer step of each epoch; if False it is filled
             by wrapping around to the start of the epoch's permutation.

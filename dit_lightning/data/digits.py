@@ -17,6 +17,7 @@ from . import store as st
 
 DIGITS_VAE = "none/pixels"
 DIGITS_NUM_CLASSES = 10
+DIGITS_SOURCE = "sklearn.datasets.load_digits"  # what a digits store records as its source: its identity
 
 
 def require_sklearn() -> None:
@@ -51,7 +52,7 @@ def digits_spec(size: int = 8) -> st.StoreSpec:
         vae=DIGITS_VAE,
         image_size=size,
         class_names=tuple(str(i) for i in range(DIGITS_NUM_CLASSES)),
-        source="sklearn.datasets.load_digits",
+        source=DIGITS_SOURCE,
         num_items=1797,
         shard_size=1024,
         preprocessing=f"x/16*2-1, nearest upsampling x{size // 8}",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import torch
 from ..atomic import check_writable
 from ..ranks import resolve_device, resolve_rank
 from ..signals import on_stop, safe_points, stop_point
-from ..vae import is_pixel_space, load_vae
+from ..vae import is_pixel_space, load_vae, vae_reference
 from . import store as st
 from .preprocessing import BadImage, list_image_folder, preprocess
 from .rng import NoiseKernel, to_float32
@@ -357,6 +358,31 @@ class _FeaturesJob:
         return f"{self.rank}/{self.world_size}"
 
 
+class _LogLines:
+    """Progress as plain lines where rich's bar shows nothing until the end (a log file, a pipe): after
+    the first batch, then at most one line every ``every_s`` seconds, and at the end."""
+
+    def __init__(self, what: str, total: int, show: bool, every_s: float = 30.0) -> None:
+        self.what, self.total, self.every_s = what, total, every_s
+        self.on = show and not sys.stderr.isatty()
+        self.done, self.start, self.last = 0, time.perf_counter(), -float("inf")
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if not self.on or (now - self.last < self.every_s and self.done < self.total):
+            return
+        self.last = now
+        rate = self.done / max(1e-9, now - self.start)
+        eta = int((self.total - self.done) / rate) if rate > 0 else 0
+        print(
+            f"{self.what}: {self.done}/{self.total} images ({100 * self.done / max(1, self.total):.1f}%), "
+            f"{rate:.1f} img/s, ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
     """Compute and commit the features of the committed ``shards`` (shard by shard: a kill loses at
     most the shard in progress; the test hook of ``EXIT_AFTER_ENV`` counts features shards here)."""
@@ -368,12 +394,13 @@ def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
     sources = {k: list(r["sources"]) if r else [] for k, r in records.items()}
     exit_after, exit_mid = _exit_plan()
     pending: list[np.ndarray] = []
+    lines = _LogLines(f"extract features rank {job.label}", sum(counts.values()), job.show)
     with Progress(
         TextColumn(f"[bold]features[/] rank {job.label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeRemainingColumn(),
-        disable=not job.show,
+        disable=not job.show or lines.on,
         transient=False,
     ) as bar:
         task = bar.add_task("features", total=sum(counts.values()))
@@ -383,6 +410,7 @@ def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
             if images is not None:
                 pending.append(repa.features(images))
                 bar.update(task, advance=len(images))
+                lines.advance(len(images))
                 continue
             hook = None
             if exit_after is not None and exit_mid and stats["features_written"] == exit_after:
@@ -661,10 +689,13 @@ def extract_latents(
         vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))  # the last input check
         with safe_points():  # a signal waits for the deletion to finish: never half a store
             st.remove_store(output)  # every input check passed: now the old store may go
+    recorded_vae = vae_reference(vae)  # a local directory by its absolute path: readable from anywhere
     if os.path.exists(os.path.join(output, st.PLAN_FILE)):
         # Resume: the shapes come from the plan, and the VAE is loaded only if work is left.
         old = st.load_plan(output)
         latent_shape, sf = old.latent_shape, old.scale_factor
+        if vae_reference(old.vae) == recorded_vae:
+            recorded_vae = old.vae  # a store planned before VAE directories were recorded absolute
     else:
         vae_model = vae_model or load_vae(vae, dev, getattr(torch, vae_dtype))
         cfg: Any = vae_model.config  # diffusers' FrozenDict: its keys read as attributes
@@ -683,7 +714,7 @@ def extract_latents(
             variant=variant,
             flips=flips,
             scale_factor=sf,
-            vae=vae,
+            vae=recorded_vae,
             image_size=image_size,
             class_names=tuple(classes),
             source=os.path.abspath(image_root),
@@ -803,13 +834,14 @@ def _encode_shards(
     current = next(shard_iter)
     cur_end = spec.shard_range(current)[1]
 
+    lines = _LogLines(f"extract rank {label}", total, show)
     with Progress(
         TextColumn(f"[bold]extract[/] rank {label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[rate]} img/s"),
         TimeRemainingColumn(),
-        disable=not show,
+        disable=not show or lines.on,
         transient=False,
     ) as bar:
         task = bar.add_task("extract", total=total, rate="-")
@@ -842,6 +874,7 @@ def _encode_shards(
                 advance=len(items),
                 rate=f"{stats['images'] / max(1e-9, time.perf_counter() - t_start):.1f}",
             )
+            lines.advance(len(items))
             if items[-1]["i"] + 1 == cur_end:
                 hook = None
                 if exit_after is not None and exit_mid and stats["shards_written"] == exit_after:

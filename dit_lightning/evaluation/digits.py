@@ -18,9 +18,29 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..data.digits import load_uci_digits
+from ..data.digits import DIGITS_NUM_CLASSES, DIGITS_SOURCE, DIGITS_VAE, load_uci_digits
 from ..images import existing_samples, load_png_rgb, sample_labels
 from .fid import frechet_distance
+
+
+def digits_data_mismatch(spec: Any) -> Optional[str]:
+    """Why the digits metrics cannot score a model trained on the store ``spec`` (a ``StoreSpec``)
+    describes, or None for the bundled digits store (``prepare-digits``, ``data.prepare: digits``, any
+    size): the classifier and the reference are the 8x8 UCI digits, and other images, MNIST included,
+    would be scored against them (real MNIST itself scores an accuracy of 0.14)."""
+    shape = tuple(spec.latent_shape)
+    if (
+        spec.source == DIGITS_SOURCE
+        and spec.vae == DIGITS_VAE
+        and len(shape) == 3
+        and shape[0] == 1
+        and shape[1] == shape[2]
+        and shape[1] % 8 == 0
+        and len(spec.class_names) == DIGITS_NUM_CLASSES
+    ):
+        return None
+    size = "x".join(str(int(d)) for d in shape)
+    return f"the store holds {spec.source or 'images of another source'} ({size}, {len(spec.class_names)} classes)"
 
 
 def train_digit_classifier(seed: int = 0) -> tuple[Any, float]:

@@ -53,11 +53,15 @@ class StandIn(torch.nn.Module):
         return latents.clamp(0, 1)
 
 
-def test_the_grid_samples_with_its_options_and_caps_its_cost():
+def test_the_grid_samples_with_its_options_and_caps_its_cost(capsys):
     module = StandIn()
     trainer = SimpleNamespace(is_global_zero=True, global_step=0, accumulate_grad_batches=1, loggers=[])
     grid = SampleGrid(every_n_steps=10, classes=[1, 2, 3], per_class=4, num_steps=50, cfg_scale=2.0)
     image = grid.render(trainer, module)  # no training seen: num_steps
+    # a grid at the end of a long run samples for minutes: a log file says so when it starts and ends
+    start, end = capsys.readouterr().out.splitlines()
+    assert start == "sample grid at step 0: 12 images (3 classes x 4), 50 sampling steps: sampling..."
+    assert end.startswith("sample grid at step 0: 12 images (3 classes x 4), 50 sampling steps: done in ")
     assert module.calls[-1]["labels"] == [1] * 4 + [2] * 4 + [3] * 4 and module.calls[-1]["num_steps"] == 50
     assert image.shape == (3, 3 * 9 + 1, 4 * 9 + 1)  # 3 rows of 4 images, 8 px and 1 px of padding
     # after 10 steps of 16 images: 3 x 16 x 10 = 480 evaluations trained, 12 images x 2 (guidance) per

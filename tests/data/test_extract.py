@@ -134,6 +134,20 @@ def test_data_parallel_ranks_and_late_finalize(env):
     assert again["shards_written"] == 0 and again["finalized"]
 
 
+def test_a_relative_vae_is_recorded_absolute_and_a_log_file_gets_progress_lines(env, monkeypatch, capsys):
+    """`--vae tiny-vae` was recorded as typed (`sample` elsewhere read it as a hub id); in a log file
+    (not a terminal) extract printed nothing until it ended."""
+    monkeypatch.chdir(env["root"])
+    out = str(env["root"] / "relative")
+    extract_latents(env["images"], out, vae="vae", **{**ARGS, "progress": True})
+    assert st.LatentStore(out).meta["vae"] == env["vae"]  # absolute
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("extract rank 0/1: ")]
+    assert lines[0].startswith("extract rank 0/1: 2/17 images (11.8%), ") and "img/s, ETA " in lines[0]
+    assert lines[-1].startswith("extract rank 0/1: 17/17 images (100.0%), ")
+    # a store recorded with the absolute path resumes from a relative one (and the reverse: stores made before)
+    assert extract_latents(env["images"], env["ref"], vae="vae", **ARGS)["shards_written"] == 0
+
+
 def test_settings_mismatch_on_resume_is_refused(env):
     with pytest.raises(st.StoreError, match="image_size: store has 32, asked 64"):
         extract_latents(env["images"], env["ref"], vae=env["vae"], **{**ARGS, "image_size": 64})

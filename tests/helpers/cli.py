@@ -37,12 +37,12 @@ def run_cli(args, tmp_path, check=True):
 
 
 def fit_args(tmp_path, name, steps, extra=()):
-    """A ``fit`` of the shrunk demo on ``tmp_path/digits`` for ``steps`` steps, logging CSV and
-    checkpointing every 4 steps under ``tmp_path/name``."""
+    """A ``fit`` of the shrunk demo on ``tmp_path/digits`` (the digits store, built there when missing)
+    for ``steps`` steps, logging CSV and checkpointing every 4 steps under ``tmp_path/name``."""
     out = tmp_path / name
     return [
         "fit", "--config", DEMO, *TINY,
-        "--data.path", str(tmp_path / "digits"),
+        "--data.path", str(tmp_path / "digits"), "--data.prepare", "digits",  # built there when missing
         "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "1000",
         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
         "--trainer.logger.save_dir", str(out), "--trainer.logger.name", "", "--trainer.logger.version", "",

@@ -111,15 +111,17 @@ def make_random_store(
     seed: int = 0,
     logvar_mean: float = -6.0,
     class_names: Optional[list[str]] = None,
+    vae: str = "random",
 ) -> st.LatentStore:
-    """A finalised store of random moments (for loader tests and benchmarks); reused if valid."""
+    """A finalised store of random moments (for loader tests and benchmarks); reused if valid.
+    ``vae="none/pixels"`` makes it a pixel store (random images, e.g. of another source than the digits)."""
     spec = st.StoreSpec(
         latent_shape=tuple(latent_shape),  # type: ignore[arg-type]
         dtype=dtype,
         variant=variant,
         flips=flips,
         scale_factor=0.18215,
-        vae="random",
+        vae=vae,
         image_size=latent_shape[1] * 8,
         class_names=tuple(class_names or [f"c{i}" for i in range(num_classes)]),
         source=f"random(seed={seed})",

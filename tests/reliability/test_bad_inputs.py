@@ -74,6 +74,45 @@ def test_a_bad_init_from_is_the_message(trained, digits, tmp_path, capsys):
     one_message(err)
 
 
+def test_a_typo_in_data_path_does_not_build_the_digits_store_there(tmp_path, capsys):
+    """configs/demo.yaml's `data.prepare: digits` built the 8x8 digits at a mistyped --data.path (meant
+    for the user's own store) and trained on them, exit 0."""
+    typo = tmp_path / "mnsit"
+    code, _, err = call(["fit", "--config", DEMO, *TINY, "--data.path", str(typo)], capsys)
+    assert code == 1 and f"--data.path {typo} does not exist" in err and "add --data.prepare digits" in err, err
+    one_message(err)
+    assert list(tmp_path.iterdir()) == []  # no store, and no run directory (the working directory is tmp_path)
+
+
+def test_a_command_refused_before_its_first_batch_leaves_no_run_directory(trained, digits, tmp_path, capsys):
+    """`validate` refused in its set-up (here a held-out split larger than the store) left the demo's
+    outputs/demo/version_N behind (an empty log, its config record): the next fit became version_N+1."""
+    args = ["validate", "--config", DEMO, *TINY, "--data.path", str(digits), "--ckpt_path", str(trained)]
+    code, _, err = call([*args, "--data.val_size", "5000"], capsys)
+    assert code == 1 and "val_size 5000" in err, err
+    assert list(tmp_path.iterdir()) == []  # the demo's logger writes to outputs/demo, in the working directory
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")  # Lightning: the fit's callbacks
+def test_the_digits_metrics_refuse_a_store_that_is_not_the_digits(trained, tmp_path, capsys):
+    """`test` scored a model of other 1-channel, 10-class images (MNIST) with the 8x8 digits' classifier
+    and reference ("accuracy 0.10, FD 103"; real MNIST scores 0.14) without a word."""
+    other = tmp_path / "mnist"
+    make_random_store(str(other), 200, (1, 8, 8), 10, variant="sample", flips=False, vae="none/pixels")
+    output = tmp_path / "metrics.json"
+    code, out, err = call(
+        ["test", "--config", DEMO, *TINY, "--data.path", str(other), "--ckpt_path", str(trained),
+         "--trainer.logger", "false", "--evaluation.num_samples", "10", "--evaluation.num_steps", "2",
+         "--evaluation.output", str(output)],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    note = "dit-lightning test: note: the digits metrics score only the bundled 8x8 digits (data.prepare: digits); "
+    assert f"{note}the store holds random(seed=0) (1x8x8, 10 classes): not measured" in err, err
+    assert "--evaluation.metrics [fid] with --evaluation.reference DIR" in err
+    assert "test/loss" in out and "digits_accuracy" not in out + err and not output.exists()
+
+
 def test_a_misspelled_model_option_names_the_option_and_where_the_options_are_listed(capsys):
     """`fit --help` does not list the model's options (the model is a class chosen by class_path)."""
     code, _, err = call(["fit", "--config", DEMO, "--model.hiden_size", "64"], capsys)

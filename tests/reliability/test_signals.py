@@ -113,6 +113,20 @@ def test_a_second_sigterm_stops_fit_at_once_with_143_not_0(digits, tmp_path):
     assert sorted(os.listdir(ckpt_dir)) == ["epoch=0-step=2.ckpt", "last.ckpt"] and not temporaries(tmp_path)
 
 
+def test_two_sigterms_inside_the_runs_first_checkpoint_write_exit_143_not_1(digits, tmp_path):
+    """Both SIGTERMs of `scancel` twice land inside torch.save of the run's first checkpoint: the second
+    stops at once, and torch's zip writer then failed on its half-written record, so the run exited 1
+    with "[enforce fail at inline_container.cc:672]" instead of the signal's status and line."""
+    args = fit(tmp_path, "run", 12, digits)  # the first checkpoint: step 4
+    proc = run_signalled("write:epoch=0-step=4.ckpt", "TERM,TERM", args, tmp_path)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "inline_container" not in proc.stdout + proc.stderr and "received again: stopping at once" in proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == (
+        "dit-lightning fit: stopped at once by a second SIGTERM: at step 4: no checkpoint was written."
+    ), proc.stdout[-2000:]
+    assert os.listdir(tmp_path / "run" / "ckpt") == [] and not temporaries(tmp_path)
+
+
 @pytest.mark.parametrize(
     "command, signum, hook, kept",
     [
