@@ -81,27 +81,12 @@ def prepare(workdir: str) -> tuple[str, Optional[str]]:
 
 
 def train_encoder(workdir: str, store: str) -> str:
-    """The REPA stand-in for DINOv2: :class:`~dit_lightning.models.repa.DigitsEncoder` trained once as a
-    classifier on the store's train split (the images the DiT trains on; the held-out split and the
-    evaluation's classifier never see it)."""
-    path = os.path.join(workdir, "digits_encoder.pt")
-    if not os.path.exists(path):
-        import torch
+    """The REPA stand-in for DINOv2, made as the demo's documented command makes it
+    (``dit-lightning prepare-digits --encoder``: trained once as a classifier on the store's train split;
+    the held-out split and the evaluation's classifier never see it)."""
+    from dit_lightning.commands.prepare_digits import write_digits_encoder
 
-        from dit_lightning.data import LatentDataModule
-        from dit_lightning.models.repa import train_digits_encoder
-
-        dm = LatentDataModule(store, global_batch_size=128, val_size=197, num_workers=0, random_flip=False)
-        dm.setup("fit")
-        idx, store_ = dm.train_indices, dm.store
-        assert idx is not None and store_ is not None
-        x = torch.from_numpy(store_.read(idx, flip=0)[:, 0].astype("float32"))  # posterior mean = the pixels
-        y = torch.from_numpy(store_.read_labels(idx))
-        log(f"training the REPA stand-in encoder on the digits train split ({len(idx)} images)")
-        net = train_digits_encoder((x + 1) / 2, y)
-        torch.save(net.state_dict(), path + ".tmp")
-        os.replace(path + ".tmp", path)
-    return path
+    return write_digits_encoder(store, os.path.join(workdir, "digits_encoder.pt"))
 
 
 def run_one(args: argparse.Namespace, recipe: str, seed: int, store: str, encoder: Optional[str]) -> list[dict]:

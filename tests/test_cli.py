@@ -161,12 +161,9 @@ def test_every_config_parses_on_top_of_the_demo(config, capsys):
 @pytest.mark.parametrize("recipe", ["ddpm", "flow-repa"])
 def test_predict_and_test_from_a_checkpoint(tmp_path, recipe):
     objective = []
-    if recipe == "flow-repa":  # flow matching with REPA (a random digits encoder): its own samplers throughout
-        import torch
-
-        from dit_lightning.models.repa import DigitsEncoder
-
-        torch.save(DigitsEncoder().state_dict(), tmp_path / "encoder.pt")
+    if recipe == "flow-repa":  # flow matching with REPA, its encoder made as docs/recipes.md says (a few steps)
+        encoder = ["--encoder", str(tmp_path / "encoder.pt"), "--encoder_steps", "3"]
+        run_cli(["prepare-digits", "--output", str(tmp_path / "digits"), *encoder], tmp_path)
         objective = [
             "--model.objective", "flow", "--model.repa.encoder", "dit_lightning.models.repa.DigitsEncoder",
             "--model.repa.weights", str(tmp_path / "encoder.pt"), "--model.repa.depth", "1",
