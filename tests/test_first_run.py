@@ -53,8 +53,10 @@ def make_demo(workdir: Path, args: str = "") -> subprocess.CompletedProcess:
     cli.chmod(0o755)
     if not (workdir / "configs").exists():
         (workdir / "configs").symlink_to(ROOT / "configs")  # the recipe names configs/demo.yaml
+    # --no-print-directory: under `make test` a nested make would print "Entering directory" first
     proc = subprocess.run(
-        ["make", "-f", str(ROOT / "Makefile"), "-o", ".venv/.installed-demo", f"BIN={bin_dir}", f"ARGS={args}", "demo"],
+        ["make", "--no-print-directory", "-f", str(ROOT / "Makefile"), "-o", ".venv/.installed-demo",
+         f"BIN={bin_dir}", f"ARGS={args}", "demo"],
         cwd=workdir, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
