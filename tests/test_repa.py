@@ -272,3 +272,16 @@ def test_a_store_whose_features_pass_stopped_half_way_is_refused_with_the_fixes(
     assert extract_features(store, ENCODER, **args)["features_written"] == 1  # the command resumes the pass
     done = LatentDataModule(store, global_batch_size=16, num_workers=0)
     assert done.repa_unfinished is None and done.repa_spec is not None
+
+
+def test_a_recorded_weights_hash_is_checked_when_the_encoder_is_first_loaded(encoder_file):
+    """Options read back from a checkpoint carry the weights' hash: other bytes at ``weights`` are refused
+    before the encoder is used; weights hashed by this process are not hashed a second time."""
+    from dit_lightning.models.repa_head import repa_head
+
+    record = dict(encoder=ENCODER, weights=encoder_file, depth=1, projector_dim=8, feature_dim=64)
+    head = repa_head({**record, "weights_sha256": "0" * 64}, (1, 8, 8))
+    with pytest.raises(ValueError, match="is not the encoder this run recorded: weights sha256"):
+        head.encoder()
+    fresh = repa_head({**record, "feature_dim": None}, (1, 8, 8))  # hashed (and loaded) here
+    assert fresh is not None and fresh.options.weights_sha256 and fresh.encoder() is fresh.encoder()

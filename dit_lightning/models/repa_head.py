@@ -37,12 +37,18 @@ class EncoderIdentity:
     weights_sha256: Optional[str]
     image_size: Optional[int]
 
+    @staticmethod
+    def encoder_name(options: REPAOptions) -> str:
+        """The encoder as an identity names it: a ``save_pretrained`` directory by its absolute path."""
+        name = str(options.encoder)
+        return os.path.abspath(name) if os.path.isdir(name) else name
+
     @classmethod
     def of(cls, options: REPAOptions) -> EncoderIdentity:
         """The identity of the encoder ``options`` name, its weights hashed now (None: no weights)."""
-        name = str(options.encoder)
+        name = cls.encoder_name(options)
         if os.path.isdir(name):
-            return cls(os.path.abspath(name), tree_sha256(name), options.image_size)
+            return cls(name, tree_sha256(name), options.image_size)
         sha = file_sha256(options.weights) if options.weights and os.path.isfile(options.weights) else None
         return cls(name, sha, options.image_size)
 
@@ -114,6 +120,8 @@ class REPAHead:
             encoder = self._load(options)
             self.tokens, width = feature_shape(encoder, image_shape)
             options = dataclasses.replace(options, feature_dim=width)
+        # weights hashed here need no second look at first use; a recorded hash is checked then
+        self._weights_checked = options.weights_sha256 is None
         if options.weights_sha256 is None:
             options = dataclasses.replace(options, weights_sha256=EncoderIdentity.of(options).weights_sha256)
         self.options = options
@@ -150,9 +158,9 @@ class REPAHead:
 
     def identity(self) -> EncoderIdentity:
         """This run's encoder, with the weights' hash it recorded."""
-        name = str(self.options.encoder)
-        name = os.path.abspath(name) if os.path.isdir(name) else name
-        return EncoderIdentity(name, self.options.weights_sha256, self.options.image_size)
+        return EncoderIdentity(
+            EncoderIdentity.encoder_name(self.options), self.options.weights_sha256, self.options.image_size
+        )
 
     def record(self) -> dict[str, Any]:
         """The options as a checkpoint records them (feature width and weights' hash included)."""
@@ -162,8 +170,7 @@ class REPAHead:
     def encoder(self, device: Optional[torch.device] = None) -> FrozenEncoder:
         """The frozen encoder (loaded on first use, checked against the weights the run recorded)."""
         if "encoder" not in self._frozen:
-            now = EncoderIdentity.of(self.options)
-            wrong = now.differences(self.identity())
+            wrong = [] if self._weights_checked else EncoderIdentity.of(self.options).differences(self.identity())
             if wrong:
                 raise ValueError(
                     f"model.repa.weights {self.options.weights} is not the encoder this run recorded: "
