@@ -132,6 +132,9 @@ class DiTModule(L.LightningModule):
             min(SNR, min_snr_gamma) / SNR, Hang et al. 2023; the variance's vb term unchanged);
             "velocity" or "likelihood" (flow with noise or score prediction: SiT's weights).
         min_snr_gamma: gamma of min_snr (5 in the paper).
+        cosine_loss: add LightningDiT's velocity direction term (``use_cosine_loss``): 1 - the cosine
+            of the predicted and the path's velocity over the channels, averaged over positions, to
+            the velocity MSE (flow, velocity prediction; docs/recipes.md).
         repa: REPA (representation alignment, docs/recipes.md): ``encoder`` (unset: off), its local
             ``weights``, ``depth`` (8), ``coeff`` (0.5), ``projector_dim`` (2048). The projector trains
             with the network and is saved in checkpoints, never in exports; the encoder's features
@@ -184,6 +187,7 @@ class DiTModule(L.LightningModule):
         sample_eps: Optional[float] = None,
         loss_weighting: LossWeighting = "none",
         min_snr_gamma: float = 5.0,
+        cosine_loss: bool = False,
         repa: Optional[REPAOptions] = None,
     ) -> None:
         super().__init__()

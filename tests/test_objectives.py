@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser
 from torch.utils.data import DataLoader
 
-from dit_lightning.diffusion import DDPMObjective, FlowMatching, min_snr_weights
+from dit_lightning.diffusion import DDPMObjective, FlowMatching, min_snr_weights, objective_from_record
 from dit_lightning.keyed_random import keyed_normal, keyed_uniform, sample_keys
 from dit_lightning.module import DiTModule
 from tests.helpers.models import randomize
@@ -41,6 +41,8 @@ def test_flow_module_settings_and_its_record():
     [
         (dict(path_type="gvp"), "settings of flow matching"),
         (dict(time_distribution="logit_normal"), "settings of flow matching"),
+        (dict(cosine_loss=True), "settings of flow matching"),
+        (dict(objective="flow", prediction="score", cosine_loss=True), "needs velocity prediction"),
         (dict(loss_weighting="likelihood"), "settings of flow matching"),
         (dict(objective="flow", loss_weighting="min_snr"), "weight the DDPM objective"),
         (dict(objective="flow", sampler="ddim"), "does not sample a model trained with objective flow"),
@@ -54,6 +56,18 @@ def test_flow_module_settings_and_its_record():
 def test_settings_of_the_other_objective_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         DiTModule(**TINY, **settings)
+
+
+def test_cosine_loss_is_logged_recorded_and_read_back():
+    module = DiTModule(**TINY, objective="flow", time_distribution="logit_normal", cosine_loss=True)
+    randomize(module.model)
+    assert module.hparams.cosine_loss is True
+    assert objective_from_record(dict(module.hparams)) == module.objective  # what a checkpoint reads back
+    assert objective_from_record({"objective": "flow"}) == FlowMatching()  # a record before the option: off
+    with torch.no_grad():
+        terms = module.diffusion_loss(module.model, batch(4), step_key=1, train=True)
+    torch.testing.assert_close(terms["loss"], terms["velocity_mse"] + terms["cosine"])
+    assert terms["cosine"] > 0
 
 
 def test_flow_loss_is_the_keyed_flow_matching_loss_and_layout_independent():
@@ -139,6 +153,8 @@ def test_the_objective_settings_are_flat_model_flags():
     flags = "--model.objective flow --model.path_type gvp --model.prediction noise --model.loss_weighting likelihood"
     flags += " --model.time_distribution logit_normal --model.time_mean 0.5 --model.sampler ode-dopri5"
     cfg = parser.parse_args(flags.split()).model.as_dict()
+    assert cfg["cosine_loss"] is False
+    assert parser.parse_args("--model.objective flow --model.cosine_loss true".split()).model.cosine_loss is True
     assert {k: cfg[k] for k in ("objective", "path_type", "prediction", "loss_weighting", "time_mean", "sampler")} == {
         "objective": "flow", "path_type": "gvp", "prediction": "noise", "loss_weighting": "likelihood",
         "time_mean": 0.5, "sampler": "ode-dopri5",

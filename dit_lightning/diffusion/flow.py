@@ -96,7 +96,14 @@ class FlowMatching(TrainingObjective):
     used.) ``time_distribution``: ``uniform`` on the training
     interval (SiT), or ``logit_normal``, where the noise level ``1 - t`` is ``sigmoid(n)`` with
     ``n ~ N(time_mean, time_std^2)`` (Esser et al. 2024, SD3's convention: a positive mean puts
-    the weight on noisier times), mapped onto the training interval.
+    the weight on noisier times), mapped onto the training interval. With mean 0 and std 1 this is
+    LightningDiT's ``use_lognorm`` (their ``t = sigmoid(n)``, ``n ~ N(0, 1)`` drawn by scipy, is the
+    same distribution: the standard normal is symmetric; no clipping, and no eps on the linear path).
+
+    ``cosine_loss``: LightningDiT's velocity direction term (``use_cosine_loss``, Yao et al. 2025,
+    github.com/hustvl/LightningDiT ``transport/transport.py``): ``1 - cos(v, u_t)`` over the channels
+    at each position, averaged over the positions, added with weight 1 to the velocity MSE (their
+    ``train.py``); velocity prediction only, as theirs.
     """
 
     name: ClassVar[str] = "flow"
@@ -112,6 +119,7 @@ class FlowMatching(TrainingObjective):
     time_distribution: TimeDistribution = "uniform"
     time_mean: float = 0.0
     time_std: float = 1.0
+    cosine_loss: bool = False
 
     def __post_init__(self) -> None:
         _check("path_type", self.path_type, get_args(PathType))
@@ -122,6 +130,11 @@ class FlowMatching(TrainingObjective):
             raise ValueError(
                 f"the {self.loss_weight} loss weight applies to noise or score prediction (as in SiT); "
                 "velocity prediction is trained with the plain velocity error"
+            )
+        if self.cosine_loss and self.prediction != "velocity":
+            raise ValueError(
+                f"the cosine loss compares a predicted velocity with the path's (LightningDiT's use_cosine_loss): "
+                f"it needs velocity prediction, not {self.prediction}; drop model.cosine_loss or predict velocity"
             )
         if self.time_std <= 0:
             raise ValueError(f"time_std must be positive, got {self.time_std}")
@@ -300,14 +313,20 @@ class FlowMatching(TrainingObjective):
         """Per-sample (N,) ``loss`` at times ``t`` (N,) for data ``x_data`` and Gaussian ``noise``.
 
         velocity: ``|v - u_t|^2``; noise: ``weight * |eps - noise|^2``; score:
-        ``weight * |sigma_t s + noise|^2`` (means over the non-batch dimensions).
+        ``weight * |sigma_t s + noise|^2`` (means over the non-batch dimensions). With
+        ``cosine_loss`` the velocity ``loss`` is ``velocity_mse + cosine`` (both returned, for the logs).
         """
         if noise.shape != x_data.shape:
             raise ValueError(f"noise shape {tuple(noise.shape)} != data shape {tuple(x_data.shape)}")
         x_t, u_t = self.interpolate(x_data, noise, t)
         pred = self.prediction_of(model_fn(x_t, t, **(model_kwargs or {})), x_t)
         if self.prediction == "velocity":
-            return {"loss": mean_flat((pred - u_t) ** 2)}
+            mse = mean_flat((pred - u_t) ** 2)
+            if not self.cosine_loss:
+                return {"loss": mse}
+            # LightningDiT: cosine over the channels (dim 1) per position, the mean over the positions
+            cosine = mean_flat(1 - torch.nn.functional.cosine_similarity(pred, u_t, dim=1))
+            return {"loss": mse + cosine, "velocity_mse": mse, "cosine": cosine}
         weight = self.loss_weight_at(x_t, t)
         if self.prediction == "noise":
             err = (pred - noise) ** 2
@@ -336,13 +355,15 @@ class FlowMatching(TrainingObjective):
             "time_distribution": self.time_distribution,
             "time_mean": self.time_mean,
             "time_std": self.time_std,
+            "cosine_loss": self.cosine_loss,
         }
 
     def shared_settings(self) -> dict[str, Any]:
         return {"objective": self.name, "path_type": self.path_type, "prediction": self.prediction}
 
     def describe(self) -> str:
-        return f"objective flow ({self.path_type} path, {self.prediction} prediction)"
+        cosine = ", cosine loss" if self.cosine_loss else ""
+        return f"objective flow ({self.path_type} path, {self.prediction} prediction{cosine})"
 
     # ---- sampling ---------------------------------------------------------------------------------
     @torch.no_grad()

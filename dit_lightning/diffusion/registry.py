@@ -38,6 +38,7 @@ class ObjectiveSettings:
     time_distribution: TimeDistribution = "uniform"
     time_mean: float = 0.0
     time_std: float = 1.0
+    cosine_loss: bool = False
     train_eps: Optional[float] = None
     sample_eps: Optional[float] = None
     loss_weighting: LossWeighting = "none"
@@ -53,7 +54,16 @@ class ObjectiveSettings:
         return [f"model.{k} {getattr(self, k)}" for k in names if getattr(self, k) != getattr(default, k)]
 
 
-_FLOW_ONLY = ("path_type", "prediction", "time_distribution", "time_mean", "time_std", "train_eps", "sample_eps")
+_FLOW_ONLY = (
+    "path_type",
+    "prediction",
+    "time_distribution",
+    "time_mean",
+    "time_std",
+    "cosine_loss",
+    "train_eps",
+    "sample_eps",
+)
 
 
 def _ddpm(s: ObjectiveSettings) -> DDPMObjective:
@@ -96,6 +106,7 @@ def _flow(s: ObjectiveSettings) -> FlowMatching:
         time_distribution=s.time_distribution,
         time_mean=float(s.time_mean),
         time_std=float(s.time_std),
+        cosine_loss=bool(s.cosine_loss),
     )
 
 

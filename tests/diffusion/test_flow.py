@@ -4,6 +4,7 @@ intervals and epsilons, the training times."""
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,3 +131,45 @@ def test_training_times_uniform_and_logit_normal():
     normal = torch.distributions.Normal(0.5, 0.8)
     torch.testing.assert_close(logit_noise, normal.icdf(u.double()), rtol=1e-4, atol=1e-4)
     assert ln.median() < 0.5  # a positive mean puts the weight on noisier times (SD3's convention)
+
+
+def test_cosine_loss_and_logit_normal_time_match_lightningdit():
+    """LightningDiT's recipe (use_cosine_loss, use_lognorm; tests/helpers/lightningdit_transport_reference.py)
+    on their own draws: their noise (torch) and logit-normal time (scipy) seeded, the same draws given to ours."""
+    from scipy.special import ndtr
+
+    from tests.helpers import lightningdit_transport_reference as ldit
+
+    ref = ldit.create_transport("Linear", "velocity", None, None, None, use_cosine_loss=True, use_lognorm=True)
+    flow = FlowMatching(time_distribution="logit_normal", cosine_loss=True)  # time_mean 0, time_std 1
+    net = random_dit(learn_sigma=False)
+    x1, _, y = data(6)
+    with torch.no_grad():
+        torch.manual_seed(5), np.random.seed(5)
+        terms = ref.training_losses(net, x1, {"y": y})
+        torch.manual_seed(5), np.random.seed(5)
+        theirs = ldit.train_loss(ref, net, x1, {"y": y})  # train.py: loss.mean() + cos_loss.mean()
+        torch.manual_seed(5), np.random.seed(5)
+        noise = torch.randn_like(x1)
+        n = ldit.norm.rvs(loc=0, scale=1, size=6)  # their t = sigmoid(n); ours sigmoid(-ndtri(u)): u = Phi(-n)
+        u = torch.tensor(ndtr(-n), dtype=torch.float32)
+        ours = flow.training_terms(net, x1, noise, u, {"y": y})
+    torch.testing.assert_close(ours["velocity_mse"], terms["loss"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours["cosine"], terms["cos_loss"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours["loss"], terms["loss"] + terms["cos_loss"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours["loss"].mean(), theirs, rtol=0, atol=1e-6)
+    assert terms["cos_loss"].min() > 0.1  # a random network's velocity is far from the path's: the term counts
+    # the cosine is over the channels at each position, then averaged (not over the flattened sample: 0.684)
+    pred, target = torch.ones(1, 2, 1, 2), torch.tensor([[[[1.0, 2.0]], [[1.0, -2.0]]]])
+    cosine = FlowMatching(cosine_loss=True).training_losses(
+        lambda x, t, **k: pred, target, torch.zeros_like(target), torch.ones(1)
+    )["cosine"]
+    assert cosine.item() == pytest.approx(0.5)  # positions: 1 - cos = 0 and 1
+
+
+def test_cosine_loss_is_velocity_only_and_recorded():
+    with pytest.raises(ValueError, match="needs velocity prediction"):
+        FlowMatching(prediction="noise", cosine_loss=True)
+    flow = FlowMatching(time_distribution="logit_normal", cosine_loss=True)
+    assert flow.record()["cosine_loss"] is True and "cosine loss" in flow.describe()
+    assert FlowMatching().record()["cosine_loss"] is False
