@@ -23,6 +23,11 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "sample": ("sample", "sample", "images from a checkpoint: PNGs, grid, ADM .npz; keyed, resumable"),
     "evaluate": ("evaluate", "evaluate", "sample, then FID / IS / KID (or the digits metrics)"),
     "verify": ("verify", "verify", "check a latent store (sizes, checksums, NaN) or a checkpoint's weights"),
+    "convert-vavae": (
+        "convert_vavae",
+        "convert_vavae",
+        "LightningDiT's VA-VAE checkpoint -> a diffusers AutoencoderKL",
+    ),
 }
 
 
