@@ -25,7 +25,9 @@ The samplers (SiT's ``transport/integrators.py``), from the noise at t = 0 forwa
 
 - ``ode-euler`` / ``ode-heun``: the probability-flow ODE on ``num_steps`` evenly spaced times from t0
   to t1 (``num_steps - 1`` steps; Heun's second-order method takes two network evaluations a step),
-  the steps torchdiffeq's fixed-grid ``euler`` / ``heun2`` take, which SiT calls.
+  the steps torchdiffeq's fixed-grid ``euler`` / ``heun2`` take, which SiT calls. ``timestep_shift``
+  s > 0 maps that grid by ``t -> s t / (1 + (s - 1) t)`` (LightningDiT's ``transport/integrators.py``;
+  their recipe: 0.3, euler, 250 steps), for every ODE sampler.
 - ``ode-dopri5``: the adaptive Dormand-Prince solver of torchdiffeq (SiT's default ODE sampler), with
   ``atol`` / ``rtol``; its step sizes are chosen for the whole batch, so a sample depends on its
   batch within the solver's tolerance (the fixed-step samplers do not).
@@ -37,7 +39,9 @@ The samplers (SiT's ``transport/integrators.py``), from the noise at t = 0 forwa
   the ``mean`` last step of 0.04 is the sampler of SiT's published FIDs.
 
 Classifier-free guidance is the caller's model function (SiT guides the network output, here the
-velocity, like DiT guides epsilon); the noise of SDE step k is the caller's ``noise_fn(k, x)``.
+velocity, like DiT guides epsilon; ``cfg_interval`` [lo, hi] in flow times: LightningDiT's
+``cfg_interval_start`` 0.11 is [0.11, 1], where they guide only t >= 0.11); the noise of SDE step k
+is the caller's ``noise_fn(k, x)``.
 
 Pure PyTorch (+ torchdiffeq for ``ode-dopri5``): no Lightning, nothing of the package above the foundation.
 """
@@ -389,8 +393,18 @@ class FlowMatching(TrainingObjective):
             )
         if settings.eta:
             raise ValueError(f"eta={settings.eta} is a DDIM setting: flow sampler {sampler!r} has none (use 0)")
-        if settings.cfg_interval is not None:
-            raise ValueError("cfg_interval is given in DDPM timesteps: flow samplers do not take it (leave it unset)")
+        interval = settings.cfg_interval
+        if interval is not None and not 0 <= interval[0] <= interval[1] <= 1:
+            raise ValueError(
+                f"cfg_interval {list(interval)}: a flow model's interval is in flow times 0 <= lo <= hi <= 1 "
+                "(0: noise, 1: data; LightningDiT's cfg_interval_start 0.11 is [0.11, 1]), not DDPM timesteps"
+            )
+        shift = float(settings.timestep_shift)
+        if shift and not sampler.startswith("ode-"):
+            raise ValueError(
+                f"timestep_shift={shift} shifts the ODE samplers' time grid (LightningDiT's): {sampler} has none "
+                "(use an ode- sampler, or 0)"
+            )
         x, n = noise, noise.shape[0]
 
         def prediction(x: Tensor, t: Tensor) -> Tensor:
@@ -401,7 +415,10 @@ class FlowMatching(TrainingObjective):
 
         if sampler.startswith("ode-"):
             t0, t1 = self.interval(sampling=True)
-            times = torch.linspace(t0, t1, num_steps).to(x.device)  # SiT's grid: float32 linspace on the CPU
+            times = torch.linspace(t0, t1, num_steps)  # SiT's grid: float32 linspace on the CPU
+            if shift > 0:  # LightningDiT's integrators.py: s t / (1 + (s - 1) t), in float32 as theirs
+                times = shift * times / (1 + (shift - 1) * times)
+            times = times.to(x.device)
 
             def velocity(x: Tensor, t: Tensor) -> Tensor:
                 return self.velocity(prediction(x, t), x, t)

@@ -58,7 +58,9 @@ class SamplingOptions:
             (0: the data end, diffusion_steps - 1: pure noise); the others take the conditional
             prediction, at half the cost. Guidance is harmful at the highest noise levels and
             largely unnecessary at the lowest (Kynkäänniemi et al. 2024, "Applying guidance in a
-            limited interval", arXiv 2404.07724). Unset: every step.
+            limited interval", arXiv 2404.07724). Flow models take flow times instead,
+            0 <= lo <= hi <= 1 (0: noise, 1: data): LightningDiT's ``cfg_interval_start`` 0.11
+            is [0.11, 1]. Unset: every step.
         eta: DDIM noise (0: deterministic; ddim and diffusers-ddim).
         clip_denoised: clamp each step's x_0 estimate to [-1, 1]; unset: the store's rule, on for
             pixel stores (their data lie in [-1, 1]), off for VAE latents (unbounded; the
@@ -75,6 +77,10 @@ class SamplingOptions:
             without noise, SiT's default), "tweedie" (the denoised estimate), "euler" (an ODE
             step) or "none" (stop at 1 - sample_eps).
         last_step_size: the length of the flow SDE's last step (SiT's default 0.04).
+        timestep_shift: the flow ODE samplers' time grid t -> s t / (1 + (s - 1) t) for s > 0
+            (LightningDiT's ``timestep_shift``; s < 1 puts the steps near the noise: their
+            recipe's 0.3); 0: the evenly spaced grid (SiT's). The flow SDE samplers refuse it; the
+            DDPM samplers leave it aside, as the other flow settings.
         precision: autocast of the DiT: "fp32", "bf16" or "fp16" (changes the images slightly).
         seed: key of every random number (the noise, the classes of labels "random"): sample i
             depends only on (seed, i).
@@ -95,8 +101,13 @@ class SamplingOptions:
     diffusion_norm: float = 1.0
     last_step: LastStep = "mean"
     last_step_size: float = 0.04
+    timestep_shift: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.timestep_shift < 0:
+            raise ValueError(
+                f"timestep_shift {self.timestep_shift}: give s > 0 (LightningDiT's 0.3), or 0 for the even grid"
+            )
         if self.atol < 0 or self.rtol < 0 or (self.atol == 0 and self.rtol == 0):
             raise ValueError(
                 f"atol {self.atol} / rtol {self.rtol}: ode-dopri5's tolerances must be >= 0 and not both 0 "

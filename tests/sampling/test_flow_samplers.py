@@ -164,3 +164,41 @@ def test_sde_heun_without_a_last_step_on_gvp_samples_as_sit():
     got = ours(net, flow, "sde-heun", 5, last_step="none")
     assert torch.isfinite(got).all()
     close(got, expected)
+
+
+def test_timestep_shift_and_cfg_interval_match_lightningdit():
+    """LightningDiT's inference path (tests/helpers/lightningdit_transport_reference.py): euler ODE on their
+    shifted grid, forward_with_cfg with cfg_interval True (guidance only for t >= cfg_interval_start, on the
+    first 3 channels), the doubled batch's first half kept; ours: timestep_shift, cfg_interval [start, 1],
+    guide_channels 3. The grid of 8 times shifted by 0.3 has 3 times below 0.11 (0, 0.048, 0.107)."""
+    from functools import partial
+
+    from tests.helpers import lightningdit_transport_reference as ldit
+
+    net = random_dit(seed=10, learn_sigma=False)  # LightningDiT's velocity network: C outputs
+    idx = torch.arange(len(LABELS))
+    z = initial_noise(idx, (net.in_channels, net.input_size, net.input_size), SEED)
+    sample_fn = ldit.Sampler(ldit.create_transport("Linear", "velocity", None, None, None)).sample_ode(
+        sampling_method="euler", num_steps=8, atol=1e-6, rtol=1e-3, reverse=False, timestep_shift=0.3
+    )
+    y = torch.cat([LABELS, torch.full_like(LABELS, net.num_classes)])
+    kwargs = dict(y=y, cfg_scale=4.0, cfg_interval=True, cfg_interval_start=0.11)
+    with torch.no_grad():
+        expected = sample_fn(torch.cat([z, z]), partial(ldit.forward_with_cfg, net.forward), **kwargs)[-1][:2]
+    options = dict(guide=3, timestep_shift=0.3)
+    got = ours(net, FlowMatching(), "ode-euler", 8, cfg=4.0, cfg_interval=(0.11, 1.0), **options)
+    close(got, expected)
+    # each setting changes the samples: neither is a no-op
+    assert not torch.allclose(ours(net, FlowMatching(), "ode-euler", 8, cfg=4.0, **options), expected, atol=1e-4)
+    unshifted = ours(net, FlowMatching(), "ode-euler", 8, cfg=4.0, guide=3, cfg_interval=(0.11, 1.0))
+    assert not torch.allclose(unshifted, expected, atol=1e-4)
+
+
+def test_flow_sampling_extras_are_refused_where_they_mean_nothing():
+    net = random_dit(seed=11)
+    with pytest.raises(ValueError, match="flow times 0 <= lo <= hi <= 1"):
+        ours(net, FlowMatching(), "ode-euler", 4, cfg=2.0, cfg_interval=(200, 700))  # DDPM timesteps
+    with pytest.raises(ValueError, match="sde-euler has none"):
+        ours(net, FlowMatching(), "sde-euler", 4, timestep_shift=0.3)
+    with pytest.raises(ValueError, match="give s > 0"):
+        SamplingOptions(timestep_shift=-1.0)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 GIVEN = dict(
     sampler="ddim", num_steps=3, cfg_scale=1.5, guide_channels=3, cfg_interval=(200.0, 700.0), eta=0.5,
     clip_denoised=True, precision="bf16", seed=4, atol=1e-5, rtol=1e-4, diffusion_form="sbdm", diffusion_norm=0.5,
-    last_step="tweedie", last_step_size=0.02,
+    last_step="tweedie", last_step_size=0.02, timestep_shift=0.3,
 )  # fmt: skip
 
 
