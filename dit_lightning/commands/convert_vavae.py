@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 from ..checkpoints.vavae import convert_vavae as convert
 from .output import check_new_output
@@ -62,6 +62,12 @@ def parser(**options: Any) -> Any:
     return p
 
 
-def command_line(args: list[str], **parser_options: Any) -> str:
-    """``dit-lightning convert-vavae ARGS``: parse, then :func:`convert_vavae`."""
-    return convert_vavae(**parser(**parser_options).parse_args(args).as_dict())
+def command_line(args: list[str], **parser_options: Any) -> Optional[str]:
+    """``dit-lightning convert-vavae ARGS``: parse, then :func:`convert_vavae`; ``--print_config`` prints
+    the parsed options and stops, as every tool's (here by hand: ``--config`` is not a file of flags)."""
+    p = parser(**parser_options)
+    cfg = p.parse_args([a for a in args if a != "--print_config"])
+    if "--print_config" in args:
+        print(p.dump(cfg).rstrip("\n"))
+        return None
+    return convert_vavae(**cfg.as_dict())
