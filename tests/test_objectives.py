@@ -89,7 +89,7 @@ def test_flow_loss_is_the_keyed_flow_matching_loss_and_layout_independent():
 
 def test_flow_fit_validate_sample_and_resume_bit_exact(tmp_path):
     data = DataLoader(DictDataset(16), batch_size=8)
-    common = dict(**TINY, objective="flow", time_distribution="logit_normal", sample_steps=4)
+    common = dict(**TINY, objective="flow", time_distribution="logit_normal", cosine_loss=True, sample_steps=4)
     straight = DiTModule(**common)
     every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
     trainer(max_steps=4, enable_checkpointing=True, callbacks=[every_2], limit_val_batches=1).fit(straight, data, data)
@@ -97,6 +97,7 @@ def test_flow_fit_validate_sample_and_resume_bit_exact(tmp_path):
     trainer(max_steps=4, default_root_dir=tmp_path).fit(resumed, data, ckpt_path=tmp_path / "step=2.ckpt")
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+    assert torch.load(tmp_path / "step=2.ckpt", weights_only=True)["hyper_parameters"]["cosine_loss"] is True
     metrics = trainer(default_root_dir=tmp_path).validate(resumed, data, verbose=False)[0]
     assert math.isfinite(metrics["val/loss"])
     images = resumed.sample([1, 2], seed=3)  # sde-euler, 4 steps
