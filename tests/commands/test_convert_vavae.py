@@ -124,3 +124,22 @@ def test_what_diffusers_cannot_represent_is_refused():
     ):
         with pytest.raises(NotConvertibleError, match=message):
             diffusers_vae_config({**params, "ddconfig": {**params["ddconfig"], **change}})
+
+
+def test_the_published_f16d32_config_maps_every_weight():
+    """Their vavae_f16d32.yaml itself (ch 128, resolution 256, attention at 16 x 16), on the meta device:
+    every weight of their network has its diffusers name and shape."""
+    from diffusers.models import AutoencoderKL
+
+    from dit_lightning.checkpoints.vavae import vavae_state_dict
+
+    params = yaml.safe_load(CONFIG)["model"]["params"]
+    params["ddconfig"].update(ch=128, resolution=256, attn_resolutions=[16])
+    cfg = diffusers_vae_config(params)
+    assert cfg["down_block_types"] == ["DownEncoderBlock2D"] * 4 + ["AttnDownEncoderBlock2D"]
+    with torch.device("meta"):
+        theirs = ldm.AutoencoderKL(params["ddconfig"], params["lossconfig"], params["embed_dim"], use_vf="dinov2")
+        ours = AutoencoderKL(**cfg)
+    mapped, ignored = vavae_state_dict({"state_dict": theirs.state_dict()}, levels=5)
+    assert ignored == ["linear_proj."]
+    assert {k: v.shape for k, v in mapped.items()} == {k: v.shape for k, v in ours.state_dict().items()}
