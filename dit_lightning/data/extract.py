@@ -1,4 +1,5 @@
-"""Pre-extract VAE posterior moments of an ImageFolder into a latent store.
+"""Pre-extract VAE posterior moments of an ImageFolder into a latent store (or, with ``--vae none``,
+its cropped pixels: a pixel store, no VAE).
 
 Data-parallel and resumable: the sorted file list is cut into fixed shards, process ``rank``
 of ``world_size`` encodes the shards ``k`` with ``k % world_size == rank`` that are not yet on

@@ -249,3 +249,37 @@ def test_evaluate_has_no_store_to_hold_out(tmp_path):
 
     with pytest.raises(ValueError, match="evaluate has no run"):
         evaluate("model.ckpt", str(tmp_path / "out"), metrics=["fid"], reference="store")
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def images_args(folder: str, store: str, size: int) -> list[str]:
+    return [
+        "--data.path", store, "--data.prepare", "images", "--data.image_root", folder, "--data.image_size", str(size),
+        "--data.random_flip", "false", "--data.val_size", "4", "--data.global_batch_size", "8",
+    ]  # fmt: skip
+
+
+def test_fit_prepares_the_store_of_an_image_folder_in_one_command(folders, tmp_path):
+    """The documented recipe (flow matching, logit-normal times) on a folder of one's own: the store
+    is written on first use, the model linked to its 1x16x16 pixels and 10 classes."""
+    from tests.helpers.cli import fit_args, run_cli
+
+    store = str(tmp_path / "mydigits")
+    recipe = ["--model.objective", "flow", "--model.time_distribution", "logit_normal"]
+    run_cli(fit_args(tmp_path, "run", 2, [*images_args(folders["grey"], store, 16), *recipe]), tmp_path)
+    s = st.LatentStore(store)
+    assert s.latent_shape == (1, 16, 16) and len(s) == 20 and s.meta["source"] == folders["grey"]
+    assert os.path.exists(tmp_path / "run" / "ckpt" / "last.ckpt")
+
+
+def test_fit_refuses_a_store_of_another_size_in_one_message(folders, tmp_path, capsys):
+    from tests.helpers.cli import DEMO, TINY
+    from tests.reliability.conftest import call, one_message
+
+    store = str(tmp_path / "mydigits")
+    data(store, folders["grey"], image_size=16).prepare_data()
+    code, _, err = call(["fit", "--config", DEMO, *TINY, *images_args(folders["grey"], store, 12)], capsys)
+    assert code == 1 and "its images are 16 px, not 12" in err and "Point --data.path at a directory" in err, err
+    one_message(err)
