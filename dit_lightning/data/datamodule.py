@@ -593,15 +593,7 @@ class LatentDataModule(L.LightningDataModule):
         ``verify`` also hashes and scans the data)."""
         store = st.LatentStore(self.path, REPA_FIXES)
         if self.prepare == "images":
-            assert self.image_root is not None and self.image_size is not None
-            why = pixel_store_mismatch(store.spec, self.image_root, self.image_size, self.image_channels)
-            if why is not None:
-                raise st.StoreError(
-                    f"--data.path {self.path} holds another store than the pixels of --data.image_root "
-                    f"{self.image_root} at --data.image_size {self.image_size}: {why}. Point --data.path at a "
-                    f"directory of its own (one per folder and size, e.g. data/<name>_{self.image_size}px), or "
-                    f"delete {self.path} to make it again"
-                )
+            self._check_images_store(store.spec)
         problems = store.check_records()
         if problems:
             listed = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
@@ -687,9 +679,24 @@ class LatentDataModule(L.LightningDataModule):
         if self.image_channels not in ("auto", 1, 3):
             raise ValueError(f"--data.image_channels must be auto, 1 or 3, got {self.image_channels!r}")
 
+    def _check_images_store(self, spec: st.StoreSpec) -> None:
+        """Refuse a store at ``path`` (whole, or planned by a preparation that stopped) that is not the
+        pixel store of ``image_root`` at ``image_size``."""
+        assert self.image_root is not None and self.image_size is not None
+        why = pixel_store_mismatch(spec, self.image_root, self.image_size, self.image_channels)
+        if why is not None:
+            raise st.StoreError(
+                f"--data.path {self.path} holds another store than the pixels of --data.image_root "
+                f"{self.image_root} at --data.image_size {self.image_size}: {why}. Point --data.path at a "
+                f"directory of its own (one per folder and size, e.g. data/<name>_{self.image_size}px), or "
+                f"delete {self.path} to make it again"
+            )
+
     def _prepare_images(self) -> None:
         """The pixel store of ``image_root`` at ``path`` (``extract --vae none``, one process: resumable)."""
         assert self.image_root is not None and self.image_size is not None
+        if os.path.exists(os.path.join(self.path, st.PLAN_FILE)):  # a preparation that stopped: resumed if it is ours
+            self._check_images_store(st.load_plan(self.path))
         rank_zero_info(f"data.prepare images: writing the pixel store of {self.image_root} to {self.path}")
         done = extract_latents(
             self.image_root, self.path, vae=PIXEL_VAE, image_size=self.image_size, flips=self.random_flip,

@@ -180,6 +180,18 @@ def test_prepare_images_refuses_a_store_of_other_images(folders, tmp_path, no_va
     assert tree_bytes(path) == before
 
 
+def test_an_unfinished_preparation_resumes_only_with_its_own_settings(folders, tmp_path, no_vae):
+    path = str(tmp_path / "store")
+    data(path, folders["grey"], image_size=16).prepare_data()
+    whole = tree_bytes(path)
+    os.remove(os.path.join(path, st.META_FILE))  # a preparation that stopped before its index
+    with pytest.raises(st.StoreError, match="16 px, not 12"):
+        data(path, folders["grey"], image_size=12).prepare_data()
+    dm = data(path, folders["grey"], image_size=16)
+    dm.prepare_data()
+    assert tree_bytes(path) == whole
+
+
 def test_image_settings_without_prepare_images_are_refused(folders):
     with pytest.raises(ValueError, match="--data.prepare images"):
         LatentDataModule("somewhere", image_root=folders["grey"])
