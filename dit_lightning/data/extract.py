@@ -797,8 +797,9 @@ def extract_latents(
 
     dev = resolve_device(device, local_rank)
     vae_model = None
-    if replace and not pixels:
-        vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))  # the last input check
+    if replace:
+        if not pixels:
+            vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))  # the last input check
         with safe_points():  # a signal waits for the deletion to finish: never half a store
             st.remove_store(output)  # every input check passed: now the old store may go
     recorded_vae = PIXEL_VAE if pixels else vae_reference(vae)  # a local directory by its absolute path

@@ -119,7 +119,8 @@ def _run_and_die(images: str, out: str, exit_after: str) -> None:
 @pytest.mark.parametrize("exit_after", ["1", "1+"])
 def test_killed_pixel_extraction_resumes_to_the_same_bytes(folders, tmp_path, no_vae, exit_after):
     """Killed after a committed shard ("1") or inside the next one ("1+"), then rerun: the bytes of
-    an uninterrupted run, and `--overwrite true` replaces a pixel store without any VAE."""
+    an uninterrupted run; `--overwrite true` replaces a pixel store (here by one of another size)
+    without any VAE."""
     ref, out = str(tmp_path / "ref"), str(tmp_path / "out")
     extract_latents(folders["grey"], ref, vae="none", image_size=16, **ARGS)
     proc = mp.get_context("fork").Process(target=_run_and_die, args=(folders["grey"], out, exit_after))
@@ -130,8 +131,8 @@ def test_killed_pixel_extraction_resumes_to_the_same_bytes(folders, tmp_path, no
     summary = extract_latents(folders["grey"], out, vae="none", image_size=16, **ARGS)
     assert summary["finalized"] and summary["shards_already_done"] == 1 and summary["shards_written"] == 2
     assert tree_bytes(out) == tree_bytes(ref)
-    extract_latents(folders["grey"], out, vae="none", image_size=16, overwrite=True, **ARGS)
-    assert tree_bytes(out) == tree_bytes(ref)
+    replaced = extract_latents(folders["grey"], out, vae="none", image_size=12, overwrite=True, **ARGS)
+    assert replaced["shards_written"] == 3 and st.LatentStore(out).latent_shape == (1, 12, 12)
 
 
 # ---- data.prepare: images -------------------------------------------------------------------
