@@ -703,10 +703,8 @@ class LatentDataModule(L.LightningDataModule):
             channels=self.image_channels, num_workers=self.num_workers, device="cpu", rank=0, world_size=1,
             progress=False,
         )  # fmt: skip
-        rank_zero_info(
-            f"data.prepare images: {done['count']} images in {self.path} ({done['images_skipped']} skipped: "
-            f"{done['report']})"
-        )
+        skipped = f", {done['images_skipped']} skipped (listed in {done['report']})" if done["images_skipped"] else ""
+        rank_zero_info(f"data.prepare images: {done['count']} images in {self.path}{skipped}")
 
     def prepare_data(self) -> None:
         if self.prepare == "digits" and not st.is_store(self.path):
