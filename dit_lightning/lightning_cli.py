@@ -614,7 +614,8 @@ class DiTCLI(LightningCLI):
             print(
                 f"dit-lightning {self.subcommand}: note: the digits metrics score only the bundled 8x8 digits "
                 f"(data.prepare: digits); {why}: not measured. For your own images use --evaluation.metrics "
-                "[fid] with --evaluation.reference DIR, or --evaluation.metrics [] for the held-out loss alone.",
+                "[fid] with --evaluation.reference DIR (or store: the store's held-out split), or --evaluation.metrics "
+                "[] for the held-out loss alone.",
                 file=sys.stderr,
                 flush=True,
             )

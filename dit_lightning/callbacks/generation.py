@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from ..atomic import write_json
 from ..evaluation.digits import digits_metrics, uint8_digit_features
 from ..evaluation.fid import FeatureStats, build_extractor, metrics_from_features, reference_stats
-from ..evaluation.options import Metric, MetricOptions, metric_names
+from ..evaluation.options import STORE_REFERENCE, Metric, MetricOptions, metric_names
 from ..images import to_uint8
 from ..models import DiT
 from ..sampling import LabelPlan, LabelSpec, SamplingOptions, parse_labels
@@ -123,12 +123,36 @@ class GenerationMetrics(L.Callback):
             self.image_metrics, m.inception_weights, cast(Optional[nn.Module], m.feature_extractor), m.antialias
         )
         self._extractor = extractor.to(device).eval()
-        if trainer.is_global_zero and m.reference is not None and ("fid" in self.metrics or "kid" in self.metrics):
+        if m.reference is None or not ("fid" in self.metrics or "kid" in self.metrics):
+            return
+        reference, indices = m.reference, None
+        if reference == STORE_REFERENCE:
+            reference, indices = self._held_out(trainer)  # on every rank: a bad setting stops them all
+        if trainer.is_global_zero:
             # Rank 0 alone holds the reference: the metrics are computed there.
             self._reference = reference_stats(
-                m.reference, self._extractor, m.cache_dir, self.batch_size, m.image_size, m.max_reference,
-                keep_features="kid" in self.metrics, device=device, dim=self._dim,
+                reference, self._extractor, m.cache_dir, self.batch_size, m.image_size, m.max_reference,
+                keep_features="kid" in self.metrics, device=device, dim=self._dim, indices=indices,
             )  # fmt: skip
+
+    @staticmethod
+    def _held_out(trainer: L.Trainer) -> tuple[str, np.ndarray]:
+        """``reference="store"``: the store of the run's data module and its held-out items (the
+        validation split, set up before the callbacks: Lightning sets the data module up first)."""
+        data = getattr(trainer, "datamodule", None)
+        path, held_out = getattr(data, "path", None), getattr(data, "val_indices", None)
+        if path is None:
+            raise ValueError(
+                "--evaluation.reference store measures against the held-out split of the run's latent store "
+                "(a LatentDataModule); this run has none: give the reference's path instead"
+            )
+        if held_out is None or len(held_out) < 2:
+            raise ValueError(
+                f"--evaluation.reference store measures against the held-out split of {path}, and the data module "
+                "holds out fewer than 2 items: set --data.val_size (the fit's, e.g. 0.1) so that training never "
+                "saw them"
+            )
+        return str(path), np.asarray(held_out)
 
     def output_locations(self, trainer: L.Trainer, stage: str) -> list[tuple[Path, str, str]]:
         """Where this callback writes in ``stage`` (checked writable before any work):

@@ -14,7 +14,7 @@ from torch import nn
 from ..atomic import check_writable, write_json
 from ..evaluation.digits import digits_metrics_from_samples
 from ..evaluation.fid import compute_metrics
-from ..evaluation.options import MetricOptions, metric_names
+from ..evaluation.options import STORE_REFERENCE, MetricOptions, metric_names
 from ..sampling import SAMPLING_OPTION_NAMES
 from ..signals import on_stop
 from .sample import Weights
@@ -62,6 +62,12 @@ def evaluate(
     wanted = metric_names(metrics)
     if not wanted:
         raise ValueError(f"metrics {metrics!r}: name at least one of fid, is, kid, digits")
+    if measured.reference == STORE_REFERENCE:
+        raise ValueError(
+            "--reference store means the held-out split of a run's data store (`dit-lightning test "
+            "--evaluation.reference store`); evaluate has no run: "
+            "give the reference's path (a store, a folder, an .npz)"
+        )
     measured.check(wanted)  # the reference, the sample count, the Inception weights: before hours of sampling
     reference, num_samples, extractor = measured.reference, measured.num_samples, measured.feature_extractor
     check_writable(output, "output directory", "Choose another --output.")

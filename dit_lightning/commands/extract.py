@@ -1,5 +1,5 @@
-"""``dit-lightning extract``: an ImageFolder -> a latent store (VAE posterior moments), resumable and
-data-parallel (``torchrun --nproc_per_node 8 -m dit_lightning.cli extract ...``)."""
+"""``dit-lightning extract``: an ImageFolder -> a latent store (VAE posterior moments, or the pixels
+with ``--vae none``), resumable and data-parallel (``torchrun --nproc_per_node 8 -m dit_lightning.cli extract ...``)."""
 
 from __future__ import annotations
 

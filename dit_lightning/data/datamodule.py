@@ -35,7 +35,16 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from . import store as st
 from .digits import digits_spec, prepare_digits
-from .extract import REPA_FEATURES, REPA_FIXES, unfinished_repa_features
+from .extract import (
+    PIXEL_VAE,
+    REPA_FEATURES,
+    REPA_FIXES,
+    Channels,
+    extract_latents,
+    pixel_store_mismatch,
+    pixel_store_spec,
+    unfinished_repa_features,
+)
 from .rng import NoiseKernel, flip_bits, to_float32
 
 if TYPE_CHECKING:
@@ -480,7 +489,13 @@ class LatentDataModule(L.LightningDataModule):
         prepare: "digits": build the digits demo store at ``path`` if it is missing (the CLI builds
             it only at the ``data.path`` of the config that asks for it, or with ``--data.prepare
             digits`` on the command line: a mistyped ``--data.path`` is refused, not filled with digits).
+            "images": build a pixel store of the ImageFolder ``image_root`` at ``path`` if it is missing
+            (``extract --vae none``: resumable; on rank 0, the others wait); a store at ``path`` made
+            from another folder, size or channel count is refused.
         digits_size: Side of the digits images (multiple of 8) when ``prepare="digits"``.
+        image_root: The ImageFolder (``root/<class>/<image>``) of ``prepare="images"``.
+        image_size: Side of its ADM centre crop in pixels (``prepare="images"``; e.g. 28 for MNIST).
+        image_channels: ``prepare="images"``: "auto" (1 when every image is stored grey, else 3), 1 or 3.
         drop_last: Drop the last incomplete optimizer step of each epoch; if False it is filled
             by wrapping around to the start of the epoch's permutation.
         predict_labels: Classes ``dit-lightning predict`` samples ("all", "random", "0-9", "1,5").
@@ -510,20 +525,25 @@ class LatentDataModule(L.LightningDataModule):
         split_seed: int = 0,
         random_flip: bool = True,
         sample_posterior: bool = True,
-        prepare: Optional[Literal["digits"]] = None,
+        prepare: Optional[Literal["digits", "images"]] = None,
         digits_size: int = 8,
         drop_last: bool = True,
         predict_labels: str = "all",
         predict_num_samples: int = 64,
         verify_checksums: bool = False,
         repa_features: bool = True,
+        image_root: Optional[str] = None,
+        image_size: Optional[int] = None,
+        image_channels: Channels = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-        if prepare not in (None, "digits"):
-            raise ValueError(f"prepare must be None or 'digits', got {prepare!r}")
+        if prepare not in (None, "digits", "images"):
+            raise ValueError(f"prepare must be None, 'digits' or 'images', got {prepare!r}")
+        self.image_root, self.image_size, self.image_channels = image_root, image_size, image_channels
+        self._check_images_settings(prepare)
         self.path = os.path.abspath(path)
         self.global_batch_size = int(global_batch_size)
         self.val_size = val_size
@@ -561,6 +581,9 @@ class LatentDataModule(L.LightningDataModule):
             return self._opened.spec
         if self.prepare == "digits":
             return digits_spec(self.digits_size)
+        if self.prepare == "images":
+            assert self.image_root is not None and self.image_size is not None  # _check_images_settings
+            return pixel_store_spec(self.image_root, self.image_size, self.image_channels, flips=self.random_flip)
         st.LatentStore(self.path)  # raises the explanatory error (missing / incomplete store)
         raise st.StoreError(f"no store at {self.path}")  # pragma: no cover
 
@@ -569,6 +592,8 @@ class LatentDataModule(L.LightningDataModule):
         index or shard names its file), and the commit records against the index (cheap: no data read;
         ``verify`` also hashes and scans the data)."""
         store = st.LatentStore(self.path, REPA_FIXES)
+        if self.prepare == "images":
+            self._check_images_store(store.spec)
         problems = store.check_records()
         if problems:
             listed = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
@@ -631,9 +656,61 @@ class LatentDataModule(L.LightningDataModule):
 
     # -- Lightning hooks -------------------------------------------------------------
 
+    def _check_images_settings(self, prepare: Optional[str]) -> None:
+        """``prepare="images"`` needs its folder and size; they mean nothing without it."""
+        if prepare != "images":
+            given = [n for n in ("image_root", "image_size") if getattr(self, n) is not None]
+            given += ["image_channels"] if self.image_channels != "auto" else []
+            if given:
+                raise ValueError(
+                    f"data.{given[0]} is read only to build a pixel store from images: add --data.prepare images "
+                    "(or leave it out to train on the store at data.path)"
+                )
+            return
+        if not self.image_root or self.image_size is None:
+            raise ValueError(
+                "data.prepare images builds a pixel store of an image folder: give it --data.image_root DIR (the "
+                "ImageFolder, DIR/<class>/<image>) and --data.image_size N (the side of the centre crop, e.g. 28)"
+            )
+        if not os.path.isdir(self.image_root):
+            raise FileNotFoundError(f"--data.image_root {self.image_root} is not a directory of class folders")
+        if self.image_size < 1:
+            raise ValueError(f"--data.image_size must be a positive number of pixels, got {self.image_size}")
+        if self.image_channels not in ("auto", 1, 3):
+            raise ValueError(f"--data.image_channels must be auto, 1 or 3, got {self.image_channels!r}")
+
+    def _check_images_store(self, spec: st.StoreSpec) -> None:
+        """Refuse a store at ``path`` (whole, or planned by a preparation that stopped) that is not the
+        pixel store of ``image_root`` at ``image_size``."""
+        assert self.image_root is not None and self.image_size is not None
+        why = pixel_store_mismatch(spec, self.image_root, self.image_size, self.image_channels)
+        if why is not None:
+            raise st.StoreError(
+                f"--data.path {self.path} holds another store than the pixels of --data.image_root "
+                f"{self.image_root} at --data.image_size {self.image_size}: {why}. Point --data.path at a "
+                f"directory of its own (one per folder and size, e.g. data/<name>_{self.image_size}px), or "
+                f"delete {self.path} to make it again"
+            )
+
+    def _prepare_images(self) -> None:
+        """The pixel store of ``image_root`` at ``path`` (``extract --vae none``, one process: resumable)."""
+        assert self.image_root is not None and self.image_size is not None
+        if os.path.exists(os.path.join(self.path, st.PLAN_FILE)):  # a preparation that stopped: resumed if it is ours
+            self._check_images_store(st.load_plan(self.path))
+        rank_zero_info(f"data.prepare images: writing the pixel store of {self.image_root} to {self.path}")
+        done = extract_latents(
+            self.image_root, self.path, vae=PIXEL_VAE, image_size=self.image_size, flips=self.random_flip,
+            channels=self.image_channels, num_workers=self.num_workers, device="cpu", rank=0, world_size=1,
+            progress=False,
+        )  # fmt: skip
+        skipped = f", {done['images_skipped']} skipped (listed in {done['report']})" if done["images_skipped"] else ""
+        rank_zero_info(f"data.prepare images: {done['count']} images in {self.path}{skipped}")
+
     def prepare_data(self) -> None:
         if self.prepare == "digits" and not st.is_store(self.path):
             prepare_digits(self.path, size=self.digits_size)
+        if self.prepare == "images" and not os.path.exists(os.path.join(self.path, st.META_FILE)):
+            self._prepare_images()
 
     def _distributed(self) -> tuple[int, int, int]:
         trainer = getattr(self, "trainer", None)
@@ -656,7 +733,7 @@ class LatentDataModule(L.LightningDataModule):
         self._world, self._rank, self._accum = world, rank, accum
         self._micro = self.global_batch_size // per_step
         if self.store is None:
-            if self.prepare == "digits" and not os.path.exists(os.path.join(self.path, st.META_FILE)):
+            if self.prepare in ("digits", "images") and not os.path.exists(os.path.join(self.path, st.META_FILE)):
                 self.prepare_data()  # notebook use without a trainer
             self.store = self._opened or self._open()
             self._opened = None

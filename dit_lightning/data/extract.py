@@ -1,4 +1,5 @@
-"""Pre-extract VAE posterior moments of an ImageFolder into a latent store.
+"""Pre-extract VAE posterior moments of an ImageFolder into a latent store (or, with ``--vae none``,
+its cropped pixels: a pixel store, no VAE).
 
 Data-parallel and resumable: the sorted file list is cut into fixed shards, process ``rank``
 of ``world_size`` encodes the shards ``k`` with ``k % world_size == rank`` that are not yet on
@@ -25,7 +26,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from ..ranks import resolve_device, resolve_rank
 from ..signals import on_stop, safe_points, stop_point
 from ..vae import is_pixel_space, load_vae, vae_reference
 from . import store as st
-from .preprocessing import BadImage, list_image_folder, preprocess
+from .preprocessing import BadImage, folder_channels, list_image_folder, preprocess
 from .rng import NoiseKernel, to_float32
 
 if TYPE_CHECKING:
@@ -53,8 +54,8 @@ _SAMPLE_EPOCH = -1
 class _ImageFiles(torch.utils.data.Dataset):
     """Decodes and crops one image per item; failures come back as a reason, not an exception."""
 
-    def __init__(self, root: str, paths: list[str], image_size: int) -> None:
-        self.root, self.paths, self.image_size = root, paths, image_size
+    def __init__(self, root: str, paths: list[str], image_size: int, channels: int = 3) -> None:
+        self.root, self.paths, self.image_size, self.channels = root, paths, image_size, channels
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -62,7 +63,8 @@ class _ImageFiles(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         item: dict[str, Any] = {"i": i, "x": None, "note": None, "error": None}
         try:
-            item["x"], item["note"] = preprocess(os.path.join(self.root, self.paths[i]), self.image_size)
+            path = os.path.join(self.root, self.paths[i])
+            item["x"], item["note"] = preprocess(path, self.image_size, self.channels)
         except BadImage as e:
             item["error"] = e.reason
         except Exception as e:  # one odd file must not kill a day-long extraction
@@ -79,11 +81,17 @@ def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _image_loader(
-    image_root: str, paths: list[str], image_size: int, batches: list[list[int]], num_workers: int, dev: torch.device
+    image_root: str,
+    paths: list[str],
+    image_size: int,
+    batches: list[list[int]],
+    num_workers: int,
+    dev: torch.device,
+    channels: int = 3,
 ) -> torch.utils.data.DataLoader:
     """Decoded, cropped images of ``paths`` in the given batches (of indices into ``paths``)."""
     return torch.utils.data.DataLoader(
-        _ImageFiles(image_root, paths, image_size),
+        _ImageFiles(image_root, paths, image_size, channels),
         batch_sampler=batches,
         num_workers=num_workers,
         collate_fn=_collate,
@@ -121,6 +129,95 @@ def _exit_plan() -> tuple[Optional[int], bool]:
     if not v:
         return None, False
     return int(v.rstrip("+")), v.endswith("+")
+
+
+# --------------------------------------------------------------------------------------
+# Pixel stores (--vae none): the cropped images themselves, no VAE
+# --------------------------------------------------------------------------------------
+
+PIXEL_VAE = "none/pixels"  # what a pixel store records as its VAE (the digits store too)
+Channels = Union[Literal["auto"], int]
+
+
+def pixel_vae(vae: str) -> bool:
+    """Whether ``--vae`` asks for a pixel store: ``none``, or ``none/pixels`` (the name the store
+    records). Another ``none/...`` is refused: it would otherwise be looked up on the hub."""
+    if vae in ("none", PIXEL_VAE):
+        return True
+    if is_pixel_space(vae):
+        raise ValueError(
+            f"--vae {vae!r} names no VAE: a pixel store is --vae none (or none/pixels, the name stores record); "
+            "a VAE is a hub id or a local AutoencoderKL.save_pretrained directory"
+        )
+    return False
+
+
+def pixel_channels(image_root: str, paths: list[str], channels: Channels = "auto") -> int:
+    """The channels of a pixel store of these images: ``auto`` gives 1 when every image is stored grey
+    (PIL modes ``L``, ``LA``, ``I;16``..., read from the headers), else 3; 1 or 3 force it (1: PIL's
+    luma of colour images; 3: grey images repeated)."""
+    if channels == "auto":
+        return folder_channels(image_root, paths)
+    if channels not in (1, 3):
+        raise ValueError(f"channels must be auto, 1 or 3, got {channels!r}")
+    return int(channels)
+
+
+def pixel_store_spec(
+    image_root: str,
+    image_size: int,
+    channels: Channels = "auto",
+    flips: bool = True,
+    storage_dtype: Literal["float16", "bfloat16"] = "float16",
+    shard_size: int = 1024,
+) -> st.StoreSpec:
+    """The StoreSpec ``extract --vae none`` plans for these settings (known without writing the
+    store: the image list and, for ``channels="auto"``, the image headers are read)."""
+    paths, labels, classes = list_image_folder(image_root)
+    if not paths:
+        raise FileNotFoundError(f"no images under {image_root} (extensions: jpg, jpeg, png, ...)")
+    c = pixel_channels(image_root, paths, channels)
+    return st.StoreSpec(
+        latent_shape=(c, image_size, image_size),
+        dtype=storage_dtype,
+        variant="sample",
+        flips=flips,
+        scale_factor=1.0,
+        vae=PIXEL_VAE,
+        image_size=image_size,
+        class_names=tuple(classes),
+        source=os.path.abspath(image_root),
+        num_items=len(paths),
+        shard_size=shard_size,
+        fingerprint=_fingerprint(paths, labels),
+    )
+
+
+def pixel_store_mismatch(spec: st.StoreSpec, image_root: str, image_size: int, channels: Channels) -> Optional[str]:
+    """What differs between a store and the pixel store of ``image_root`` at ``image_size`` (and
+    ``channels`` unless ``auto``), or None when the store is that one."""
+    if not is_pixel_space(spec.vae):
+        return f"it holds latents of the VAE {spec.vae}, not pixels"
+    if os.path.abspath(image_root) != spec.source:
+        return f"it was made from {spec.source}, not {os.path.abspath(image_root)}"
+    paths, labels, _ = list_image_folder(image_root)
+    if len(paths) != spec.num_items or _fingerprint(paths, labels) != spec.fingerprint:
+        return (
+            f"the files under {image_root} are not the ones it was made from ({spec.num_items} then, {len(paths)} now)"
+        )
+    if spec.image_size != image_size:
+        return f"its images are {spec.image_size} px, not {image_size}"
+    if channels != "auto" and spec.latent_shape[0] != channels:
+        return f"its images have {spec.latent_shape[0]} channel(s), not {channels}"
+    return None
+
+
+def _pixels(x: torch.Tensor, spec: st.StoreSpec) -> np.ndarray:
+    """(n, F, 1, C, H, W) in the storage dtype: the cropped images in [-1, 1] and their mirrors."""
+    if tuple(x.shape[1:]) != spec.latent_shape:
+        raise RuntimeError(f"the images are {tuple(x.shape[1:])}, the store expects {spec.latent_shape}")
+    out = torch.stack([x, x.flip(-1)], 1) if spec.flips else x[:, None]
+    return _to_storage(out[:, :, None].contiguous(), spec.dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -573,7 +670,7 @@ def extract_latents(
     image_size: int = 256,
     batch_size: int = 32,
     storage_dtype: Literal["float16", "bfloat16"] = "float16",
-    variant: Literal["moments", "sample"] = "moments",
+    variant: Optional[Literal["moments", "sample"]] = None,
     flips: bool = True,
     shard_size: int = 1024,
     num_workers: int = 4,
@@ -591,6 +688,7 @@ def extract_latents(
     repa_encoder: Optional[str] = None,
     repa_weights: Optional[str] = None,
     repa_image_size: Optional[int] = None,
+    channels: Channels = "auto",
 ) -> dict[str, Any]:
     """Encode an ImageFolder into a latent store (resumable, data-parallel), with the REPA encoder's
     features when ``repa_encoder`` is set.
@@ -599,12 +697,15 @@ def extract_latents(
         image_root: ImageFolder root, ``root/<class>/<image>`` (ImageNet layout); classes and
             files are taken in sorted order. (Not needed with ``finalize_only``.)
         output: Store directory (required). Rerunning with the same arguments resumes an interrupted run.
-        vae: diffusers ``AutoencoderKL``: a hub id or a local directory (``save_pretrained``).
+        vae: diffusers ``AutoencoderKL``: a hub id or a local directory (``save_pretrained``); or
+            ``none`` (``none/pixels``, the name the store records): a pixel store, the cropped images
+            themselves in [-1, 1] (variant ``sample``, scale factor 1.0; no VAE, nothing downloaded).
         image_size: Side of the ADM centre crop in pixels (256 -> 4x32x32 latents with the SD VAE).
         batch_size: Images per VAE forward (their flips are encoded in the same forward).
         storage_dtype: ``float16`` or ``bfloat16`` on disk.
-        variant: ``moments`` stores the posterior mean and log-variance (fresh sample at every
-            read); ``sample`` stores one posterior sample (half the size, frozen noise).
+        variant: ``moments`` (the default with a VAE) stores the posterior mean and log-variance
+            (fresh sample at every read); ``sample`` stores one posterior sample (half the size,
+            frozen noise); pixel stores are ``sample`` (the images, no noise).
         flips: Also store the horizontally flipped image (random flip at read time).
         shard_size: Images per shard, the unit of work, resume and parallelism.
         num_workers: Decoding processes of the image DataLoader.
@@ -629,6 +730,8 @@ def extract_latents(
             the other settings are the store's).
         repa_weights: The encoder's local weights file (nothing is downloaded).
         repa_image_size: The encoder's input side; unset: its own (224 for DINOv2).
+        channels: Pixel stores: ``auto`` (1 when every image of the folder is stored grey, PIL mode
+            ``L``, ``LA``, ``I;16``...; else 3), 1 (colour images become PIL's luma) or 3.
 
     Returns:
         A summary: images done/skipped/converted by this process, shards written and already
@@ -642,6 +745,13 @@ def extract_latents(
     if finalize_only:
         meta = st.finalize_store(output)
         return {"output": output, "finalized": True, "count": meta["count"], "rank": rank}
+    pixels = pixel_vae(vae)  # a pixel store: no VAE is ever loaded
+    if variant is None:
+        variant = "sample" if pixels else "moments"
+    elif pixels and variant != "sample":
+        raise ValueError("--variant moments needs a VAE's posterior: a pixel store (--vae none) stores the images")
+    if not pixels and channels != "auto":
+        raise ValueError(f"--channels {channels} is for pixel stores (--vae none); a VAE's latents have its channels")
     options = _repa_options(repa_encoder, repa_weights, repa_image_size)
     plan_path = os.path.join(output, st.PLAN_FILE)
     if options is not None and not overwrite and os.path.exists(plan_path) and not st.shard_status(output)[1]:
@@ -682,20 +792,27 @@ def extract_latents(
     for name, value in (("batch_size", batch_size), ("shard_size", shard_size)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if pixels and scale_factor not in (None, 1.0):
+        raise ValueError(f"--scale_factor {scale_factor}: a pixel store holds the images in [-1, 1] at scale 1.0")
 
     dev = resolve_device(device, local_rank)
     vae_model = None
     if replace:
-        vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))  # the last input check
+        if not pixels:
+            vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))  # the last input check
         with safe_points():  # a signal waits for the deletion to finish: never half a store
             st.remove_store(output)  # every input check passed: now the old store may go
-    recorded_vae = vae_reference(vae)  # a local directory by its absolute path: readable from anywhere
+    recorded_vae = PIXEL_VAE if pixels else vae_reference(vae)  # a local directory by its absolute path
     if os.path.exists(os.path.join(output, st.PLAN_FILE)):
         # Resume: the shapes come from the plan, and the VAE is loaded only if work is left.
         old = st.load_plan(output)
         latent_shape, sf = old.latent_shape, old.scale_factor
         if vae_reference(old.vae) == recorded_vae:
             recorded_vae = old.vae  # a store planned before VAE directories were recorded absolute
+        if pixels and channels != "auto" and old.latent_shape[0] != channels:
+            latent_shape = (int(channels), *old.latent_shape[1:])  # refused by write_plan, naming the field
+    elif pixels:
+        latent_shape, sf = (pixel_channels(image_root, paths, channels), image_size, image_size), 1.0
     else:
         vae_model = vae_model or load_vae(vae, dev, getattr(torch, vae_dtype))
         cfg: Any = vae_model.config  # diffusers' FrozenDict: its keys read as attributes
@@ -721,7 +838,7 @@ def extract_latents(
             num_items=len(paths),
             shard_size=shard_size,
             fingerprint=_fingerprint(paths, labels),
-            extra=(("seed", int(seed)),) if variant == "sample" else (),
+            extra=(("seed", int(seed)),) if variant == "sample" and not pixels else (),
         ),
     )
 
@@ -741,7 +858,7 @@ def extract_latents(
         )
 
     if mine:
-        if vae_model is None:
+        if vae_model is None and not pixels:
             vae_model = load_vae(vae, dev, getattr(torch, vae_dtype))
 
         def stopped() -> str:
@@ -805,7 +922,7 @@ def _encode_shards(
     paths: list[str],
     labels: list[int],
     shards: list[int],
-    vae_model: Any,
+    vae_model: Optional[Any],
     dev: torch.device,
     batch_size: int,
     num_workers: int,
@@ -823,10 +940,12 @@ def _encode_shards(
     for k in shards:
         a, b = spec.shard_range(k)
         batches.extend(list(range(s, min(b, s + batch_size))) for s in range(a, b, batch_size))
-    loader = _image_loader(image_root, paths, spec.image_size, batches, num_workers, dev)
-    noise = NoiseKernel(int(np.prod(spec.latent_shape))) if spec.variant == "sample" else None
+    pixels = vae_model is None  # a pixel store: the cropped images are the data
+    channels = spec.latent_shape[0] if pixels else 3
+    loader = _image_loader(image_root, paths, spec.image_size, batches, num_workers, dev, channels)
+    noise = NoiseKernel(int(np.prod(spec.latent_shape))) if spec.variant == "sample" and not pixels else None
     exit_after, exit_mid = _exit_plan()
-    vae_dtype = next(vae_model.parameters()).dtype
+    vae_dtype = next(vae_model.parameters()).dtype if vae_model is not None else torch.float32
     total = sum(spec.shard_range(k)[1] - spec.shard_range(k)[0] for k in shards)
 
     pending: dict[str, list] = {"data": [], "features": [], "labels": [], "sources": [], "report": []}
@@ -858,7 +977,10 @@ def _encode_shards(
                     pending["report"].append({"path": paths[it["i"]], "status": "converted", "reason": it["note"]})
                     stats["converted"] += 1
             if ok:
-                data = _encode(vae_model, batch["x"], dev, vae_dtype, spec, noise, seed, [it["i"] for it in ok])
+                if pixels:
+                    data = _pixels(batch["x"], spec)
+                else:
+                    data = _encode(vae_model, batch["x"], dev, vae_dtype, spec, noise, seed, [it["i"] for it in ok])
                 pending["data"].append(data)
                 if repa is not None:
                     # the very image the VAE encoded, in [0, 1], and its mirror (flip 1, as for the latents)

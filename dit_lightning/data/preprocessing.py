@@ -90,17 +90,46 @@ def load_rgb(path: str) -> tuple[Image.Image, Optional[str]]:
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
-    """RGB PIL image -> float32 (3, H, W) in [-1, 1]."""
+    """RGB (or grey ``L``) PIL image -> float32 (3, H, W) (or (1, H, W)) in [-1, 1]."""
     arr = np.array(image, dtype=np.uint8)  # a writable copy, owned by the tensor
+    if arr.ndim == 2:
+        arr = arr[:, :, None]
     return torch.from_numpy(arr).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
 
 
-def preprocess(path: str, image_size: int) -> tuple[torch.Tensor, Optional[str]]:
-    """Load, convert, ADM-crop and normalise one image file: ((3, S, S) in [-1, 1], note)."""
+def preprocess(path: str, image_size: int, channels: int = 3) -> tuple[torch.Tensor, Optional[str]]:
+    """Load, convert, ADM-crop and normalise one image file: ((channels, S, S) in [-1, 1], note).
+
+    ``channels=1`` crops the grey image: PIL's ``convert("L")`` of the RGB one (ITU-R 601-2 luma),
+    which gives a grey file's own values back exactly (its RGB is the grey value thrice)."""
     image, note = load_rgb(path)
     if min(image.size) < image_size:
         note = (note + "; " if note else "") + f"upscaled from {image.size[0]}x{image.size[1]}"
+    if channels == 1:
+        note = None if note == "L -> RGB" else note  # a grey file's own values: nothing converted
+        image = image.convert("L")
     return to_tensor(adm_center_crop(image, image_size)), note
+
+
+# PIL modes that hold no colour: an image folder of these alone makes a 1-channel pixel store.
+GREY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
+
+
+def folder_channels(root: str, paths: list[str]) -> int:
+    """1 when every image of ``paths`` (relative to ``root``) is stored grey (a PIL mode of
+    :data:`GREY_MODES`, read from the file's header alone), else 3. Unreadable files (skipped
+    later, by the extraction) do not count."""
+    for rel in paths:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with Image.open(os.path.join(root, rel)) as im:
+                    mode = im.mode
+        except Exception:  # an unreadable file is reported by the extraction, not here
+            continue
+        if mode not in GREY_MODES:
+            return 3
+    return 1
 
 
 def list_image_folder(root: str) -> tuple[list[str], list[int], list[str]]:

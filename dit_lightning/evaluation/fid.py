@@ -331,8 +331,11 @@ def _load_image(path: Path, image_size: Optional[int]) -> np.ndarray:
     return np.asarray(image)
 
 
-def _store_batches(path: Path, batch_size: int, limit: Optional[int], device: str) -> Iterator[np.ndarray]:
-    """A latent store decoded to uint8 images (posterior means, unflipped)."""
+def _store_batches(
+    path: Path, batch_size: int, limit: Optional[int], device: str, indices: Optional[np.ndarray] = None
+) -> Iterator[np.ndarray]:
+    """A latent store decoded to uint8 images (posterior means, unflipped): its items ``indices``
+    (sorted; default all)."""
     from ..data.rng import to_float32
     from ..data.store import LatentStore
     from ..images import to_uint8
@@ -340,9 +343,10 @@ def _store_batches(path: Path, batch_size: int, limit: Optional[int], device: st
 
     store = LatentStore(path)
     vae = None if is_pixel_space(store.spec.vae) else load_vae(store.spec.vae, device)
-    n = len(store) if limit is None else min(limit, len(store))
-    for start in range(0, n, batch_size):
-        idx = np.arange(start, min(n, start + batch_size))
+    items = np.arange(len(store)) if indices is None else np.sort(np.asarray(indices, np.int64))
+    items = items[:limit]
+    for start in range(0, len(items), batch_size):
+        idx = items[start : start + batch_size]
         x = torch.from_numpy(to_float32(store.read(idx, flip=0)[:, 0])).to(device)
         if vae is None:
             images = decode_latents(x, None)
@@ -357,17 +361,21 @@ def image_batches(
     image_size: Optional[int] = None,
     limit: Optional[int] = None,
     device: str = "cpu",
+    indices: Optional[np.ndarray] = None,
 ) -> Iterator[Tensor]:
     """uint8 (B, 3, H, W) batches from an image folder (recursive; a ``dit-lightning sample``
     output uses its ``samples/``), an ``.npz`` with ``arr_0`` (ADM format) or a latent store
-    (decoded). Grayscale becomes three channels; ``image_size`` ADM-centre-crops folder images."""
+    (decoded; ``indices``: only these items). Grayscale becomes three channels; ``image_size``
+    ADM-centre-crops folder images."""
     from ..data.store import is_store
 
     path = Path(source)
+    if indices is not None and not (path.is_dir() and is_store(path)):
+        raise ValueError(f"indices select items of a latent store; {source} is not one")
     if path.is_file() and path.suffix == ".npz":
         it: Iterator[np.ndarray] = _npz_member_batches(path, "arr_0", batch_size, limit)
     elif path.is_dir() and is_store(path):
-        it = _store_batches(path, batch_size, limit, device)
+        it = _store_batches(path, batch_size, limit, device, indices)
     elif path.is_dir():
         root = path / "samples" if (path / "sample_config.json").exists() else path
         files = _list_images(root)[:limit]
@@ -427,13 +435,15 @@ def reference_stats(
     keep_features: bool = False,
     device: Union[str, torch.device] = "cpu",
     dim: Optional[int] = None,
+    indices: Optional[np.ndarray] = None,
 ) -> FeatureStats:
     """Statistics of the real images, from a stats ``.npz`` (``mu``/``sigma``: ours or ADM's,
     used as they are) or computed from images once and cached (``cache_dir=None``: no cache).
 
     The cache file is keyed by the source (path, file sizes and mtimes), the extractor's
-    identity, ``image_size`` and ``limit``; it is written atomically. ``dim``: keep only the
-    first ``dim`` feature columns (Inception's pool features when it also yields logits).
+    identity, ``image_size``, ``limit`` and ``indices``; it is written atomically. ``dim``: keep
+    only the first ``dim`` feature columns (Inception's pool features when it also yields logits).
+    ``indices``: of a latent store, only these items (a held-out split: ``--evaluation.reference store``).
     """
     path = Path(reference)
     if path.is_file() and path.suffix == ".npz":
@@ -448,6 +458,8 @@ def reference_stats(
         "image_size": image_size,
         "limit": limit,
     }
+    if indices is not None:  # the key of a whole source stays as it was: caches written before still hit
+        key["indices"] = hashlib.sha256(np.sort(np.asarray(indices, np.int64)).tobytes()).hexdigest()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     cache = None
     if cache_dir is not None:
@@ -458,7 +470,8 @@ def reference_stats(
             stats = FeatureStats.load(cache)
             if stats.features is not None or not keep_features:
                 return stats
-    feats = extract_features(extractor, image_batches(path, batch_size, image_size, limit, str(device)), device)
+    batches = image_batches(path, batch_size, image_size, limit, str(device), indices)
+    feats = extract_features(extractor, batches, device)
     if dim is not None:
         feats = feats[:, :dim]
     stats = FeatureStats.from_features(feats, keep=keep_features)

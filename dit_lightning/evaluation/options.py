@@ -18,6 +18,9 @@ from ..sampling import SAMPLING_OPTION_NAMES, LabelSpec, SamplingOptions
 from .fid import check_metrics, find_inception_weights, load_inception_state_dict
 
 Metric = Literal["fid", "is", "kid", "digits"]
+# ``reference="store"``: the held-out split (``data.val_size``) of the run's own data store, for
+# ``dit-lightning test``: its pixels (pixel stores) or its decoded latents (VAE stores).
+STORE_REFERENCE = "store"
 METRICS: tuple[Metric, ...] = get_args(Metric)
 
 
@@ -42,7 +45,8 @@ class MetricOptions(SamplingOptions):
         num_samples: images to generate and measure (50,000 for the published FID-50K).
         reference: the real images for FID / KID: an image folder, a latent store (decoded), an
             ``.npz`` of images (``arr_0``) or of statistics (``mu``/``sigma``, e.g. ADM's
-            ``VIRTUAL_imagenet256_labeled.npz``).
+            ``VIRTUAL_imagenet256_labeled.npz``); ``store`` (``test`` only): the held-out split
+            (``data.val_size``) of the run's own store, which training never saw.
         inception_weights: the local InceptionV3 weights file for FID / IS / KID (offline machines);
             default ``$DIT_INCEPTION_WEIGHTS`` or torch hub's checkpoint cache.
         feature_extractor: an ``nn.Module`` mapping uint8 (N, 3, H, W) images to (N, D) features, used
@@ -85,7 +89,7 @@ class MetricOptions(SamplingOptions):
         wanted = metric_names(metrics)
         image_metrics = [m for m in wanted if m != "digits"]
         check_metrics(image_metrics, self.reference, cast(Optional[nn.Module], self.feature_extractor))
-        if self.reference is not None and not os.path.exists(self.reference):
+        if self.reference not in (None, STORE_REFERENCE) and not os.path.exists(self.reference):
             raise FileNotFoundError(f"the FID reference {self.reference} does not exist")
         if self.num_samples < 2:
             raise ValueError(f"num_samples must be at least 2 to measure anything, got {self.num_samples}")

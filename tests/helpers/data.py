@@ -180,3 +180,28 @@ class PatchEncoder(torch.nn.Module):
         n, c, h, w = images.shape
         patches = images.reshape(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
         return patches.reshape(n, (h // 2) * (w // 2), c * 4) * self.scale
+
+
+def make_digit_folder(
+    root: str, n: int = 30, size: tuple[int, int] = (28, 28), colour: bool = False, seed: int = 0
+) -> list[str]:
+    """An ImageFolder of scikit-learn's 8x8 digits upsampled to ``size`` (W, H), one class folder per
+    digit (``root/<digit>/<i>.png``): grey PNGs (mode ``L``), or with ``colour`` each digit tinted
+    with a random colour (``RGB``). Returns the relative paths written."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rng = np.random.default_rng(seed)
+    written = []
+    for i in range(n):
+        grey = Image.fromarray((digits.images[i] / 16 * 255).astype(np.uint8), "L")
+        image = grey.resize(size, Image.Resampling.BILINEAR)
+        if colour:
+            tint = rng.uniform(0.2, 1.0, 3)
+            image = Image.fromarray((np.asarray(image)[:, :, None] * tint).astype(np.uint8), "RGB")
+        rel = f"{digits.target[i]}/{i:05d}.png"
+        os.makedirs(os.path.join(root, str(digits.target[i])), exist_ok=True)
+        image.save(os.path.join(root, rel))
+        written.append(rel)
+    return written
