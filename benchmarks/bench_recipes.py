@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,9 +90,9 @@ def train_encoder(workdir: str, store: str) -> str:
     return write_digits_encoder(store, os.path.join(workdir, "digits_encoder.pt"))
 
 
-def run_one(args: argparse.Namespace, recipe: str, seed: int, store: str, encoder: Optional[str]) -> list[dict]:
-    """One training run; its metrics at every evaluation (cached in the run's directory)."""
-    run_dir = os.path.join(args.workdir, f"{recipe}-seed{seed}")
+def cached_run(run_dir: str, make: Callable[[], list[dict]]) -> list[dict]:
+    """A run's metrics: those ``make`` measured once (kept in ``run_dir/curve.json``), or none when
+    another process sharing the workdir has claimed the run."""
     done = os.path.join(run_dir, "curve.json")
     if os.path.exists(done):
         with open(done) as f:
@@ -99,8 +100,37 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, store: str, encode
     try:  # several benchmark processes may share a workdir (e.g. one per core): each run is made once
         os.makedirs(run_dir + ".claimed")
     except FileExistsError:
-        log(f"{recipe} seed {seed}: made by another process")
+        log(f"{os.path.basename(run_dir)}: made by another process")
         return []
+    curve = make()
+    os.makedirs(run_dir, exist_ok=True)
+    with open(done + ".tmp", "w") as f:
+        json.dump(curve, f)
+    os.replace(done + ".tmp", done)
+    return curve
+
+
+def finished_curves(workdir: str, recipes: list[str], seeds: list[int]) -> dict[str, list[dict]]:
+    """The metrics of the runs already finished under ``workdir``, by recipe."""
+    curves: dict[str, list[dict]] = {}
+    for recipe in recipes:
+        for seed in seeds:
+            done = os.path.join(workdir, f"{recipe}-seed{seed}", "curve.json")
+            if os.path.exists(done):
+                with open(done) as f:
+                    curves.setdefault(recipe, []).extend(json.load(f))
+    return curves
+
+
+def run_one(args: argparse.Namespace, recipe: str, seed: int, store: str, encoder: Optional[str]) -> list[dict]:
+    """One training run; its metrics at every evaluation (cached in the run's directory)."""
+    return cached_run(
+        os.path.join(args.workdir, f"{recipe}-seed{seed}"), lambda: train(args, recipe, seed, store, encoder)
+    )
+
+
+def train(args: argparse.Namespace, recipe: str, seed: int, store: str, encoder: Optional[str]) -> list[dict]:
+    run_dir = os.path.join(args.workdir, f"{recipe}-seed{seed}")
     extra = list(RECIPES[recipe])
     if recipe == "flow-repa":
         extra += ["--model.repa.weights", str(encoder)]
@@ -127,9 +157,6 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, store: str, encode
     for row in curve:
         row.update(recipe=recipe, seed=seed)
     log(f"{recipe} seed {seed}: {time.perf_counter() - t0:.0f} s, final {curve[-1]}")
-    with open(done + ".tmp", "w") as f:
-        json.dump(curve, f)
-    os.replace(done + ".tmp", done)
     return curve
 
 
@@ -145,13 +172,17 @@ def read_curve(path: str) -> list[dict]:
     return [{"step": s, **by_step[s]} for s in sorted(by_step)]
 
 
-def summarise(curves: dict[str, list[dict]]) -> tuple[list[dict], dict[str, Any]]:
+def summarise(
+    curves: dict[str, list[dict]], metrics: Sequence[str] = METRICS, target: str = "digits_fd_svc"
+) -> tuple[list[dict], dict[str, Any]]:
+    """Mean and sd over seeds of each recipe's ``metrics`` at every step, and the first step at which
+    each recipe's mean ``target`` (lower is better) reaches DDPM's final one."""
     rows = []
     for recipe, points in curves.items():
         for step in sorted({p["step"] for p in points}):
             at = [p for p in points if p["step"] == step]
             row: dict[str, Any] = {"recipe": recipe, "step": step, "seeds": len(at)}
-            for m in METRICS:
+            for m in metrics:
                 vals = [p[m] for p in at]
                 row[m] = statistics.fmean(vals)
                 row[m + "_sd"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
@@ -159,10 +190,10 @@ def summarise(curves: dict[str, list[dict]]) -> tuple[list[dict], dict[str, Any]
     reach: dict[str, Any] = {}
     base = [r for r in rows if r["recipe"] == "ddpm"]
     if base:
-        target = max(base, key=lambda r: r["step"])["digits_fd_svc"]
-        reach["target"] = target
+        goal = max(base, key=lambda r: r["step"])[target]
+        reach["target"] = goal
         for recipe in curves:
-            hit = [r["step"] for r in rows if r["recipe"] == recipe and r["digits_fd_svc"] <= target]
+            hit = [r["step"] for r in rows if r["recipe"] == recipe and r[target] <= goal]
             reach[recipe] = min(hit) if hit else None
     return rows, reach
 
@@ -210,12 +241,7 @@ def main() -> None:
     args = p.parse_args()
     curves: dict[str, list[dict]] = {}
     if args.report_only:
-        for recipe in args.recipes:
-            for seed in args.seeds:
-                done = os.path.join(args.workdir, f"{recipe}-seed{seed}", "curve.json")
-                if os.path.exists(done):
-                    with open(done) as f:
-                        curves.setdefault(recipe, []).extend(json.load(f))
+        curves = finished_curves(args.workdir, args.recipes, args.seeds)
         args.seeds = sorted({p["seed"] for points in curves.values() for p in points})
         rows, reach = summarise(curves)
         report(args, rows, reach, 0.0)
