@@ -66,7 +66,7 @@ def block_options(model: DiT) -> dict[str, Any]:
         options["mlp"] = "swiglu" if isinstance(block.mlp, SwiGLUFeedForward) else "gelu"
         options["wo_shift"] = bool(block.wo_shift)
     else:
-        options.update(norm=model.norm, mlp=model.mlp, wo_shift=model.wo_shift)
+        options.update(norm=model.norm_kind, mlp=model.mlp_kind, wo_shift=model.wo_shift)
     options["pos_embed"] = "rope" if model.feat_rope is not None else "sincos"
     return {k: v for k, v in options.items() if v != BLOCK_DEFAULTS[k]}
 

@@ -508,7 +508,7 @@ class DiT(nn.Module):
         self.num_classes = num_classes
         self.learn_sigma = learn_sigma
         self.class_dropout_prob = class_dropout_prob
-        self.norm, self.mlp, self.pos_embed_kind, self.wo_shift = norm, mlp, pos_embed, wo_shift
+        self.norm_kind, self.mlp_kind, self.pos_embed_kind, self.wo_shift = norm, mlp, pos_embed, wo_shift
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)

@@ -111,7 +111,7 @@ def test_lightningdit_block_prunes_swiglu_channels_heads_and_depth_exactly():
     ref = model(x, t, y)
     narrow = prune_mlp(model, keep_channels=hidden - 30)
     assert narrow.blocks[0].mlp.w12.weight.shape[0] == 2 * (hidden - 30)
-    assert narrow.blocks[0].mlp.hidden_dim == hidden - 30 and narrow.mlp == "swiglu"
+    assert narrow.blocks[0].mlp.hidden_dim == hidden - 30 and narrow.mlp_kind == "swiglu"
     torch.testing.assert_close(narrow(x, t, y), ref, rtol=1e-5, atol=1e-5)
     one_head = prune_heads(model, 1)
     assert one_head.blocks[0].attn.head_dim == 16 and one_head.feat_rope is not None
