@@ -1,7 +1,8 @@
 # ruff: noqa: C414, C417  (EVA-02's broadcat is transcribed as written)
 """LightningDiT's network, transcribed as the oracle of the project's block options.
 
-Source: github.com/hustvl/LightningDiT at commit 2725fed (``git -C /work/.mirror/hustvl+LightningDiT/repo
+Source: github.com/hustvl/LightningDiT at commit 2725fed42a14898744433809949834e26957bcdd
+(``git -C /work/.mirror/hustvl+LightningDiT/repo
 show 2725fed:<file>``): ``models/lightningdit.py`` (the network, its blocks and its configurations),
 ``models/rmsnorm.py`` (``RMSNorm`` only: the rest of that file is LLaMA's), ``models/swiglu_ffn.py``
 (``SwiGLUFFN``) and ``models/pos_embed.py`` (``VisionRotaryEmbeddingFast`` and what it calls, from EVA-02).
