@@ -59,6 +59,7 @@ class Config:
     tf32: bool = False
     reference: bool = False
     attention: AttentionBackend = "auto"  # SDPA kernel forced for the step (DiTModule.attention_backend)
+    lightning: bool = False  # LightningDiT's block (RMSNorm, SwiGLU, rope) at the same width and depth
     cuda_only: bool = False
     note: str = ""
 
@@ -76,6 +77,10 @@ CONFIGS: dict[str, Config] = {
     "bf16+flash": Config(precision="bf16-mixed", attention="flash", note="SDPA forced to flash attention"),
     "bf16+math": Config(precision="bf16-mixed", attention="math", note="SDPA forced to the math kernel (T x T scores)"),
     "fp32+math": Config(attention="math", note="SDPA forced to the math kernel (T x T scores)"),
+    "fp32+lightning-block": Config(lightning=True, note="LightningDiT's block: RMSNorm, SwiGLU, rope"),
+    "bf16+lightning-block": Config(
+        precision="bf16-mixed", lightning=True, note="LightningDiT's block: RMSNorm, SwiGLU, rope"
+    ),
     "fp32+compile": Config(compile=True, note="torch.compile of each block"),
     "bf16+compile": Config(precision="bf16-mixed", compile=True, note="torch.compile of each block"),
     "fp32+fused-adamw": Config(fused=True, cuda_only=True),
@@ -100,6 +105,8 @@ DEFAULT_GRID = {
         "bf16+fused-adamw",
         "fp32+online-vae",
         "reference",
+        "fp32+lightning-block",
+        "bf16+lightning-block",
         "fp32-repeat",
     ],
     "cuda": [
@@ -111,6 +118,7 @@ DEFAULT_GRID = {
         "bf16+ckpt-all",
         "16-mixed+ckpt-all",
         "bf16+compile",
+        "bf16+lightning-block",
         "bf16+fused-adamw",
         "bf16+flash",
         "bf16+math",
@@ -170,6 +178,7 @@ def _planner_bytes(cfg: Config, shape: dict, args, device: str) -> Optional[int]
         ema=True,
         attention="math" if cfg.reference or cfg.attention == "math" else "auto",
         device="cuda" if device == "cuda" else "cpu",
+        **_block(cfg),
         depth=shape["depth"],
         hidden_size=shape["hidden_size"],
         num_heads=shape["num_heads"],
@@ -178,6 +187,13 @@ def _planner_bytes(cfg: Config, shape: dict, args, device: str) -> Optional[int]
         num_classes=shape["num_classes"],
     )
     return p.peak_allocated
+
+
+def _block(cfg: Config) -> dict[str, Any]:
+    """The block options of a row: LightningDiT's (dit_lightning.models.dit.LIGHTNING_BLOCK) or DiT's (none)."""
+    from dit_lightning.models.dit import LIGHTNING_BLOCK
+
+    return dict(LIGHTNING_BLOCK) if cfg.lightning else {}
 
 
 class Step(Protocol):
@@ -264,6 +280,7 @@ def run_config(name: str, args) -> dict[str, Any]:
                 tf32=cfg.tf32,
                 fused_optimizer=cfg.fused,
                 attention_backend=cfg.attention,
+                **_block(cfg),
             )
         module.to(device)
         module.configure_model()
@@ -333,7 +350,7 @@ def _utilisation(cfg: Config, shape: dict, args, device: torch.device, images_pe
     peak = peak_flops_for(torch.cuda.get_device_name(device), to_dtype(cfg.precision), tf32=cfg.tf32)
     if not peak:
         return {}
-    s = shape_of("custom", **shape)
+    s = shape_of("custom", **{**shape, **_block(cfg)})
     recomputed = resolve_checkpoint_blocks(None if cfg.checkpointing == "none" else cfg.checkpointing, s.depth)
     useful, executed = training_flops(s, recomputed_blocks=len(recomputed))
     return {

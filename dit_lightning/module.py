@@ -43,7 +43,7 @@ from .distributed.ops import clip_gradients, ema_update_, first_failed_rank, gra
 from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_uniform, sample_keys
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
-from .models.dit import AttentionBackend, CheckpointSpec, attention_kernel
+from .models.dit import AttentionBackend, CheckpointSpec, MlpKind, NormKind, PosEmbedKind, attention_kernel
 from .models.repa import REPAOptions
 from .models.repa_head import EncoderIdentity, REPAHead, image_shape_of, repa_head
 from .optimizers import configure_training_optimizers, use_fused_adamw
@@ -81,7 +81,15 @@ class DiTModule(L.LightningModule):
         attn_dim: width of q, k, v when it is not hidden_size (head-pruned models).
         learn_sigma: predict the variance too (the hybrid loss); else plain epsilon MSE.
         class_dropout_prob: label dropout for classifier-free guidance.
-        qk_norm: LayerNorm on queries and keys (stabilises fp16; not in released weights).
+        qk_norm: LayerNorm on queries and keys (stabilises fp16; not in released weights); RMSNorm
+            with ``norm: rmsnorm`` (LightningDiT's ``use_qknorm``).
+        norm: the block's norms: "layernorm" (DiT) or "rmsnorm" (LightningDiT); unset: the named
+            model's (``LightningDiT-XL/1``: rmsnorm).
+        mlp: the feed-forward: "gelu" (DiT) or "swiglu" (LightningDiT: two thirds of the width, three
+            matrices); unset: the named model's.
+        pos_embed: "sincos" (DiT's fixed embedding) or "rope" (LightningDiT: 2D rotary embedding of q
+            and k in every block, on top of the sin-cos one); unset: the named model's.
+        wo_shift: adaLN without its shift terms (LightningDiT's option; off in its published model).
         activation_checkpointing: "none", "all", "half", "first:N", "every:K", N or block indices.
         compile: ``torch.compile`` the whole network or each block ("blocks" compiles faster
             and keeps the Python loop, so activation checkpointing still applies per block).
@@ -155,6 +163,10 @@ class DiTModule(L.LightningModule):
         learn_sigma: bool = True,
         class_dropout_prob: float = 0.1,
         qk_norm: bool = False,
+        norm: Optional[NormKind] = None,
+        mlp: Optional[MlpKind] = None,
+        pos_embed: Optional[PosEmbedKind] = None,
+        wo_shift: Optional[bool] = None,
         activation_checkpointing: CheckpointSpec = None,
         compile: Literal["none", "model", "blocks"] = "none",
         attention_backend: AttentionBackend = "auto",
@@ -234,6 +246,10 @@ class DiTModule(L.LightningModule):
             learn_sigma=learn_sigma,
             class_dropout_prob=class_dropout_prob,
             qk_norm=qk_norm,
+            norm=norm,
+            mlp=mlp,
+            pos_embed=pos_embed,
+            wo_shift=wo_shift,
             activation_checkpointing=activation_checkpointing,
         )
         self.optimizer_factory = optimizer

@@ -225,3 +225,35 @@ def test_a_teacher_of_the_other_objective_is_refused(teacher_ckpt):
     path, _ = teacher_ckpt  # a DDPM run (its hyper-parameters record it)
     with pytest.raises(ValueError, match="objective: student flow, teacher ddpm"):
         DistillationModule(teacher=path, **{**SMALL, "learn_sigma": False}, objective="flow")
+
+
+def test_a_lightningdit_teacher_distils_into_a_dit_block_student(tmp_path):
+    """Blocks may differ between teacher and student (the terms compare outputs and block tokens):
+    a LightningDiT-block teacher (RMSNorm, SwiGLU, rope), read with its options, teaches a DiT-block student."""
+    from dit_lightning.models import build_dit
+
+    torch.manual_seed(0)
+    net = build_dit(
+        "custom",
+        input_size=8,
+        patch_size=2,
+        in_channels=1,
+        hidden_size=32,
+        depth=2,
+        num_heads=4,
+        num_classes=10,
+        norm="rmsnorm",
+        mlp="swiglu",
+        pos_embed="rope",
+    )
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name != "pos_embed":
+                p.normal_(0, 0.1)
+    path = save_pruned(net, tmp_path / "teacher.pt", ema=net)
+    student = DistillationModule(teacher=path, feature_pairs=[(1, 1)], alpha_feature=1.0, **SMALL).train()
+    assert student.teacher.mlp_kind == "swiglu" and student.teacher.feat_rope is not None
+    assert student.model.mlp_kind == "gelu"
+    terms = student.distillation_loss(student.model, batch(), step_key=3, train=True)
+    assert terms["distill_eps"] > 0 and terms["distill_feat"] > 0
+    terms["loss"].backward()

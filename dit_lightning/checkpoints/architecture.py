@@ -27,11 +27,12 @@ import torch
 from torch import nn
 
 from ..diffusion import TrainingObjective, objective_from_record
-from ..models.config import build_from_config, mlp_ratio_for
-from ..models.dit import DIT_CONFIGS, DiT, dit_config
+from ..models.config import BLOCK_DEFAULTS, block_options, build_from_config, mlp_ratio_for, swiglu_mlp_ratio_for
+from ..models.dit import DIT_CONFIGS, LIGHTNINGDIT_CONFIGS, DiT, dit_config
 from .formats import DiTCheckpoint, StateDict, Weights, clean_state_dict, read_checkpoint
 
 _DESCRIBED = ("depth", "hidden_size", "patch_size", "in_channels", "input_size", "num_classes", "learn_sigma")
+NAMED_CONFIGS = {**DIT_CONFIGS, **LIGHTNINGDIT_CONFIGS}  # a released file's heads, by depth, width and patch
 
 
 def infer_dit_config(sd: StateDict, source: str = "the state dict") -> dict[str, Any]:
@@ -49,8 +50,10 @@ def infer_dit_config(sd: StateDict, source: str = "the state dict") -> dict[str,
         w = sd["x_embedder.proj.weight"]
         table = sd["y_embedder.embedding_table.weight"].shape[0]
         out_features = sd["final_layer.linear.weight"].shape[0]
-        mlp_hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
+        swiglu = "blocks.0.mlp.w12.weight" in sd  # LightningDiT's SwiGLU: w12 (gate and value), w3
+        mlp_hidden = sd["blocks.0.mlp.w3.weight" if swiglu else "blocks.0.mlp.fc1.weight"].shape[1 if swiglu else 0]
         attn_dim = sd["blocks.0.attn.qkv.weight"].shape[0] // 3
+        adaln_rows = sd["blocks.0.adaLN_modulation.1.weight"].shape[0]
     except KeyError as e:
         keys = sorted(sd)
         shown = f"its {len(keys)} tensors start {keys[:4]}" if keys else "it holds no tensors"
@@ -69,7 +72,7 @@ def infer_dit_config(sd: StateDict, source: str = "the state dict") -> dict[str,
         "in_channels": in_channels,
         "hidden_size": hidden,
         "depth": depth,
-        "mlp_ratio": mlp_ratio_for(hidden, mlp_hidden),
+        "mlp_ratio": (swiglu_mlp_ratio_for if swiglu else mlp_ratio_for)(hidden, mlp_hidden),
         "learn_sigma": out_channels == 2 * in_channels,
         "qk_norm": qk_norm,
         # The label table has a null row iff the model was trained with label dropout; the
@@ -77,13 +80,27 @@ def infer_dit_config(sd: StateDict, source: str = "the state dict") -> dict[str,
         "num_classes": table - 1,
         "class_dropout_prob": 0.1,
     }
+    # LightningDiT's block options, each shown by its weights: RMSNorm's gain, SwiGLU's w12, the rope
+    # tables (persistent buffers, in LightningDiT's state dicts as in this project's), adaLN's 4 chunks.
+    options = {
+        "norm": "rmsnorm" if "blocks.0.norm1.weight" in sd else "layernorm",
+        "mlp": "swiglu" if swiglu else "gelu",
+        "pos_embed": "rope" if "feat_rope.freqs_cos" in sd else "sincos",
+        "wo_shift": adaln_rows == 4 * hidden,
+    }
+    cfg.update({k: v for k, v in options.items() if v != BLOCK_DEFAULTS[k]})
     named = [
-        c for c in DIT_CONFIGS.values() if (c["depth"], c["hidden_size"], c["patch_size"]) == (depth, hidden, patch)
+        c for c in NAMED_CONFIGS.values() if (c["depth"], c["hidden_size"], c["patch_size"]) == (depth, hidden, patch)
     ]
     cfg["num_heads"] = named[0]["num_heads"] if named else max(1, hidden // 64)
+    if options["pos_embed"] == "rope":  # the rope tables have the head size: exact heads
+        cfg["num_heads"] = attn_dim // sd["feat_rope.freqs_cos"].shape[-1]
     if attn_dim != hidden:  # head-pruned: exact heads with QK-norm (its weight has the head size)
         cfg["attn_dim"] = attn_dim
-        head = sd["blocks.0.attn.q_norm.weight"].shape[0] if qk_norm else (64 if attn_dim % 64 == 0 else attn_dim)
+        if qk_norm or options["pos_embed"] == "rope":
+            head = sd["feat_rope.freqs_cos"].shape[-1] if not qk_norm else sd["blocks.0.attn.q_norm.weight"].shape[0]
+        else:
+            head = 64 if attn_dim % 64 == 0 else attn_dim
         cfg["num_heads"] = attn_dim // head
     return cfg
 
@@ -118,9 +135,13 @@ def dit_config_of(
         recorded = {}
     notes: list[str] = []
     heads = num_heads or _recorded_heads(args)
-    if heads is None and not any(
-        (c["depth"], c["hidden_size"], c["patch_size"]) == (cfg["depth"], cfg["hidden_size"], cfg["patch_size"])
-        for c in DIT_CONFIGS.values()
+    if (
+        heads is None
+        and cfg.get("pos_embed") != "rope"
+        and not any(
+            (c["depth"], c["hidden_size"], c["patch_size"]) == (cfg["depth"], cfg["hidden_size"], cfg["patch_size"])
+            for c in NAMED_CONFIGS.values()
+        )
     ):
         notes.append(
             f"the head count of this custom DiT is not recorded in '{ckpt.path}'; assuming {cfg['num_heads']} "
@@ -152,7 +173,11 @@ def export_args(ckpt: DiTCheckpoint, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def describe(cfg: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={cfg[k]}" for k in _DESCRIBED if k in cfg)
+    """The sizes of an architecture and the block options where they are not DiT's (``norm=rmsnorm``)."""
+    shown = [k for k in _DESCRIBED if k in cfg] + [
+        k for k in BLOCK_DEFAULTS if cfg.get(k, BLOCK_DEFAULTS[k]) != BLOCK_DEFAULTS[k]
+    ]
+    return ", ".join(f"{k}={cfg[k]}" for k in shown)
 
 
 def check_dit_weights(model: nn.Module, sd: StateDict, source: str = "checkpoint") -> None:
@@ -168,7 +193,9 @@ def check_dit_weights(model: nn.Module, sd: StateDict, source: str = "checkpoint
         theirs = describe(infer_dit_config(sd))
     except ValueError:
         theirs = "not a DiT"
-    mine = describe({k: getattr(model, k) for k in _DESCRIBED})
+    mine = describe(
+        {**{k: getattr(model, k) for k in _DESCRIBED}, **(block_options(model) if isinstance(model, DiT) else {})}
+    )
     detail = "; ".join(
         part
         for part in (

@@ -31,6 +31,7 @@ from typing import Any, Optional, TypeVar, Union
 import torch
 from torch import Tensor, nn
 
+from ..models.config import BLOCK_DEFAULTS
 from ..models.dit import sincos_2d
 from ..safe_read import read_json_object
 
@@ -177,6 +178,15 @@ def inexpressible(cfg: dict[str, Any]) -> list[str]:
         reasons.append(f"its MLP has {width} channels, not 4 x {hidden} (diffusers fixes the ratio at 4)")
     if cfg.get("qk_norm"):
         reasons.append("it normalises queries and keys (qk_norm), which diffusers' DiT blocks have no setting for")
+    lightning = {
+        "norm": "RMSNorm (norm rmsnorm)",
+        "mlp": "a SwiGLU feed-forward (mlp swiglu)",
+        "pos_embed": "rotary position embeddings (pos_embed rope)",
+        "wo_shift": "adaLN without shifts (wo_shift)",
+    }
+    for key, part in lightning.items():
+        if cfg.get(key, BLOCK_DEFAULTS[key]) != BLOCK_DEFAULTS[key]:
+            reasons.append(f"it has LightningDiT's {part}, which diffusers' DiT blocks have no setting for")
     if float(cfg.get("class_dropout_prob", 0.1)) <= 0:
         reasons.append("its label table has no null-class row (class_dropout_prob 0); diffusers always has one")
     return reasons

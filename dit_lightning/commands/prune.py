@@ -12,6 +12,7 @@ from torch import Tensor
 from ..checkpoints import load_dit, save_dit
 from ..diffusion import create_diffusion
 from ..models.config import model_config
+from ..models.dit import SwiGLUFeedForward, mlp_channels, swiglu_hidden
 from ..models.flops import DiTShape, dit_macs
 from ..models.pruning import (
     block_importance,
@@ -27,6 +28,12 @@ from ..models.pruning import (
 from .output import check_new_output
 
 
+def _mlp_width(model: Any, mlp_ratio: float) -> int:
+    """The MLP channels ``mlp_ratio`` gives ``model``'s feed-forward (SwiGLU: two thirds of GELU's)."""
+    swiglu = isinstance(model.blocks[0].mlp, SwiGLUFeedForward)
+    return swiglu_hidden(model.hidden_size, mlp_ratio) if swiglu else int(model.hidden_size * mlp_ratio)
+
+
 def _check_request(
     model: Any,
     depth: Optional[int],
@@ -36,8 +43,8 @@ def _check_request(
     checkpoint: str,
 ) -> None:
     """Refuse pruning requests that cannot shrink ``model``, naming what it has."""
-    blocks, width = len(model.blocks), model.blocks[0].mlp.fc1.out_features
-    have = f"{checkpoint} has depth {blocks}, {model.num_heads} heads, mlp_ratio {width / model.hidden_size:g}"
+    blocks, width = len(model.blocks), mlp_channels(model.blocks[0])
+    have = f"{checkpoint} has depth {blocks}, {model.num_heads} heads, mlp_ratio {model_config(model)['mlp_ratio']:g}"
     if depth is not None and not 1 <= depth < blocks:
         raise ValueError(f"--depth {depth}: {have}; prune to a depth from 1 to {blocks - 1}")
     if keep_blocks is not None:
@@ -48,7 +55,7 @@ def _check_request(
             )
     if heads is not None and not 1 <= heads < model.num_heads:
         raise ValueError(f"--heads {heads}: {have}; keep from 1 to {model.num_heads - 1} heads")
-    if mlp_ratio is not None and not 0 < int(model.hidden_size * mlp_ratio) < width:
+    if mlp_ratio is not None and not 0 < _mlp_width(model, mlp_ratio) < width:
         raise ValueError(
             f"--mlp_ratio {mlp_ratio}: {have}; a smaller ratio (fewer than {width} MLP channels) prunes the MLP"
         )
@@ -92,7 +99,8 @@ def prune(
         output: the ``.pt`` file to write; ``init_from`` it to fine-tune (docs/shrinking.md).
         depth: keep this many blocks: the most important by :func:`block_importance` on the
             calibration store; evenly spaced ones when there is no calibration data.
-        mlp_ratio: new MLP width ``int(hidden_size * mlp_ratio)`` (the original is 4.0).
+        mlp_ratio: new MLP width ``int(hidden_size * mlp_ratio)`` (the original is 4.0; SwiGLU's is two
+            thirds of that, as LightningDiT builds it).
         heads: attention heads to keep per block (head dim unchanged).
         calibration: a latent store (e.g. ``data/digits``) for the data-aware scores.
         calibration_size: samples of the calibration store used for the scores.
@@ -148,8 +156,8 @@ def prune(
     if heads is not None and heads < model.num_heads:
         model = prune_heads(model, heads, criterion="l1" if criterion == "activation" else criterion)
     if mlp_ratio is not None:
-        channels = int(model.hidden_size * mlp_ratio)
-        if channels < model.blocks[0].mlp.fc1.out_features:
+        channels = _mlp_width(model, mlp_ratio)
+        if channels < mlp_channels(model.blocks[0]):
             if criterion == "activation":
                 if batch is None:
                     raise ValueError("criterion='activation' needs calibration data")

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .dit import DiT
+from .dit import DiT, RMSNorm, SwiGLUFeedForward, mlp_channels, swiglu_hidden
 
 # DiT constructor arguments that define the architecture (activation checkpointing does not).
 ARCH_KEYS = (
@@ -25,7 +25,13 @@ ARCH_KEYS = (
     "learn_sigma",
     "qk_norm",
     "attn_dim",
+    "norm",
+    "mlp",
+    "pos_embed",
+    "wo_shift",
 )
+# The block options at DiT's own values: a record leaves them out (records of DiT's block stay as they were).
+BLOCK_DEFAULTS: dict[str, Any] = {"norm": "layernorm", "mlp": "gelu", "pos_embed": "sincos", "wo_shift": False}
 
 
 def mlp_ratio_for(hidden_size: int, channels: int) -> float:
@@ -39,13 +45,40 @@ def mlp_ratio_for(hidden_size: int, channels: int) -> float:
     return r
 
 
+def swiglu_mlp_ratio_for(hidden_size: int, channels: int) -> float:
+    """A float ``r`` with ``int(2/3 * int(hidden_size * r)) == channels`` (what SwiGLU's width is, as
+    LightningDiT computes it): the smallest GELU width whose two thirds round down to ``channels``."""
+    width = max(1, (3 * channels) // 2 - 1)
+    while swiglu_hidden(hidden_size, mlp_ratio_for(hidden_size, width)) < channels:
+        width += 1
+    r = mlp_ratio_for(hidden_size, width)
+    if swiglu_hidden(hidden_size, r) != channels:
+        raise ValueError(f"no mlp_ratio gives {channels} SwiGLU channels at hidden_size {hidden_size}")
+    return r
+
+
+def block_options(model: DiT) -> dict[str, Any]:
+    """The block options of a live network that differ from DiT's (``{}`` for DiT's own block)."""
+    options: dict[str, Any] = {}
+    if len(model.blocks):
+        block = model.blocks[0]
+        options["norm"] = "rmsnorm" if isinstance(block.norm1, RMSNorm) else "layernorm"
+        options["mlp"] = "swiglu" if isinstance(block.mlp, SwiGLUFeedForward) else "gelu"
+        options["wo_shift"] = bool(block.wo_shift)
+    else:
+        options.update(norm=model.norm_kind, mlp=model.mlp_kind, wo_shift=model.wo_shift)
+    options["pos_embed"] = "rope" if model.feat_rope is not None else "sincos"
+    return {k: v for k, v in options.items() if v != BLOCK_DEFAULTS[k]}
+
+
 def model_config(model: DiT) -> dict[str, Any]:
     """The constructor arguments that rebuild ``model``'s architecture (``attn_dim``, the width
-    of q/k/v, only when it differs from ``hidden_size``, i.e. after head pruning)."""
+    of q/k/v, only when it differs from ``hidden_size``, i.e. after head pruning; the block
+    options only where they are not DiT's)."""
     attn = model.blocks[0].attn if len(model.blocks) else None
-    mlp = (
-        mlp_ratio_for(model.hidden_size, model.blocks[0].mlp.fc1.out_features) if len(model.blocks) else model.mlp_ratio
-    )
+    options = block_options(model)
+    ratio_for = swiglu_mlp_ratio_for if options.get("mlp") == "swiglu" else mlp_ratio_for
+    mlp = ratio_for(model.hidden_size, mlp_channels(model.blocks[0])) if len(model.blocks) else model.mlp_ratio
     cfg: dict[str, Any] = {
         "input_size": model.input_size,
         "patch_size": model.patch_size,
@@ -57,10 +90,11 @@ def model_config(model: DiT) -> dict[str, Any]:
         "class_dropout_prob": model.class_dropout_prob,
         "num_classes": model.num_classes,
         "learn_sigma": model.learn_sigma,
-        "qk_norm": attn is not None and isinstance(attn.q_norm, nn.LayerNorm),
+        "qk_norm": attn is not None and isinstance(attn.q_norm, (nn.LayerNorm, RMSNorm)),
     }
     if attn is not None and attn.num_heads * attn.head_dim != model.hidden_size:
         cfg["attn_dim"] = int(attn.num_heads * attn.head_dim)
+    cfg.update(options)
     return cfg
 
 

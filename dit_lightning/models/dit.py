@@ -5,6 +5,13 @@ embedding, condition every block on c = t_emb + y_emb through adaLN-Zero, then a
 adaLN layer and unpatchify. Parameter names and shapes match the released checkpoints,
 so ``DiT-XL-2-256x256.pt`` loads with ``strict=True``.
 
+LightningDiT's block (Yao et al., "Reconstruction vs. Generation", CVPR 2025, arXiv 2501.01423;
+github.com/hustvl/LightningDiT) is a set of options of the same network: ``norm="rmsnorm"``
+(:class:`RMSNorm` for every norm), ``mlp="swiglu"`` (:class:`SwiGLUFeedForward`),
+``pos_embed="rope"`` (:class:`RotaryEmbedding2D` on q and k, on top of the sin-cos embedding, as
+LightningDiT keeps both) and ``wo_shift`` (adaLN without its shifts). Their names match
+LightningDiT's, so its state dicts load with ``strict=True`` too.
+
 Pure PyTorch: no Lightning import, so notebooks and other trainers can use it directly.
 """
 
@@ -23,11 +30,32 @@ from torch.utils.checkpoint import checkpoint
 
 # "none" | "all" | "half" | "first:N" | "every:K" | an int N (the first N blocks) | explicit indices.
 CheckpointSpec = Union[None, str, int, Sequence[int]]
+# The block options: DiT's block is the first of each, LightningDiT's the second.
+NormKind = Literal["layernorm", "rmsnorm"]
+MlpKind = Literal["gelu", "swiglu"]
+PosEmbedKind = Literal["sincos", "rope"]
+BLOCK_OPTIONS: dict[str, tuple[str, ...]] = {
+    "norm": ("layernorm", "rmsnorm"),
+    "mlp": ("gelu", "swiglu"),
+    "pos_embed": ("sincos", "rope"),
+}
+# The rotary embedding's cos and sin tables, (T, head_dim) each, handed to every block.
+RopeTables = tuple[Tensor, Tensor]
 
 
-def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """adaLN modulation of the token sequence ``x`` (N, T, D) by per-sample (N, D) shift/scale."""
+def modulate(x: Tensor, shift: Optional[Tensor], scale: Tensor) -> Tensor:
+    """adaLN modulation of the token sequence ``x`` (N, T, D) by per-sample (N, D) shift/scale
+    (no shift: LightningDiT's ``wo_shift``)."""
+    if shift is None:
+        return x * (1 + scale.unsqueeze(1))
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def check_block_options(**options: Any) -> None:
+    """Refuse an unknown value of ``norm`` / ``mlp`` / ``pos_embed`` in one line naming the choices."""
+    for name, value in options.items():
+        if value not in BLOCK_OPTIONS[name]:
+            raise ValueError(f"{name}='{value}' is not a block option: choose one of {', '.join(BLOCK_OPTIONS[name])}")
 
 
 # --------------------------------------------------------------------------------------
@@ -58,6 +86,50 @@ def sincos_2d(embed_dim: int, grid_size: int) -> np.ndarray:
     emb_w = sincos_1d(embed_dim // 2, grid_w)
     emb_h = sincos_1d(embed_dim // 2, grid_h)
     return np.concatenate([emb_w, emb_h], axis=1)
+
+
+class RotaryEmbedding2D(nn.Module):
+    """2D rotary position embedding of q and k (EVA-02's ``VisionRotaryEmbeddingFast``, as LightningDiT
+    uses it): the first half of a head's channels rotates with the token's row, the second half with
+    its column, channel pairs (2i, 2i + 1) by the angle ``pos * theta^(-2i / (head_dim / 2))``.
+
+    The tables are persistent buffers (``freqs_cos``, ``freqs_sin``, (grid**2, head_dim)) because
+    LightningDiT's state dicts hold them; they are fixed, never trained.
+    """
+
+    freqs_cos: Tensor
+    freqs_sin: Tensor
+
+    def __init__(self, head_dim: int, grid_size: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 4:
+            raise ValueError(f"pos_embed='rope' needs a head size divisible by 4, got {head_dim}: change num_heads")
+        dim = head_dim // 2  # channels per axis
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+        # LightningDiT's positions, arange(n) / n * n, kept bit for bit (not always the integers)
+        pos = torch.arange(grid_size) / grid_size * grid_size
+        angles = torch.repeat_interleave(pos[:, None] * freqs[None], 2, dim=-1)  # (grid, dim): pairs share
+        rows = angles[:, None, :].expand(grid_size, grid_size, dim)
+        cols = angles[None, :, :].expand(grid_size, grid_size, dim)
+        table = torch.cat([rows, cols], dim=-1).reshape(grid_size * grid_size, head_dim)
+        self.register_buffer("freqs_cos", table.cos())
+        self.register_buffer("freqs_sin", table.sin())
+
+    def tables(self) -> RopeTables:
+        return self.freqs_cos, self.freqs_sin
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """Channel pairs (a, b) -> (-b, a): the rotation by 90 degrees of each pair."""
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def apply_rope(x: Tensor, rope: RopeTables) -> Tensor:
+    """Rotate the (N, heads, T, head_dim) queries or keys by their tokens' positions."""
+    cos, sin = rope
+    # the tables in x's dtype: under autocast the attention gets q, k and v in one dtype
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
 class PatchEmbed(nn.Module):
@@ -134,13 +206,41 @@ class LabelEmbedder(nn.Module):
 # --------------------------------------------------------------------------------------
 
 
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation with a learned gain (Zhang & Sennrich 2019), computed in fp32
+    as LLaMA's (and LightningDiT's): ``x / sqrt(mean(x^2) + eps) * weight``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def make_norm(kind: NormKind, dim: int) -> nn.Module:
+    """The block's token norm: DiT's LayerNorm without affine parameters, or LightningDiT's RMSNorm."""
+    return RMSNorm(dim) if kind == "rmsnorm" else nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection, computed by PyTorch's SDPA
     (flash / memory-efficient kernels on GPU). Optional QK-norm stabilises fp16 training
-    (it adds parameters, so released checkpoints use it off). ``attn_dim``, the width of q, k
-    and v (default ``dim``), differs from the residual width ``dim`` only after head pruning."""
+    (it adds parameters, so released checkpoints use it off): a LayerNorm of each head's q and k,
+    or an RMSNorm with ``norm="rmsnorm"`` (LightningDiT's). ``rope``: the rotary tables, applied
+    to q and k after their norm and before SDPA. ``attn_dim``, the width of q, k and v (default
+    ``dim``), differs from the residual width ``dim`` only after head pruning."""
 
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False, attn_dim: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        qk_norm: bool = False,
+        attn_dim: Optional[int] = None,
+        norm: NormKind = "layernorm",
+    ) -> None:
         super().__init__()
         attn_dim = dim if attn_dim is None else attn_dim
         if attn_dim % num_heads:
@@ -155,15 +255,20 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = attn_dim // num_heads
         self.qkv = nn.Linear(dim, attn_dim * 3, bias=True)
-        self.q_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = self._qk_norm(norm) if qk_norm else nn.Identity()
+        self.k_norm = self._qk_norm(norm) if qk_norm else nn.Identity()
         self.proj = nn.Linear(attn_dim, dim, bias=True)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _qk_norm(self, norm: NormKind) -> nn.Module:
+        return RMSNorm(self.head_dim) if norm == "rmsnorm" else nn.LayerNorm(self.head_dim, eps=1e-6)
+
+    def forward(self, x: Tensor, rope: Optional[RopeTables] = None) -> Tensor:
         n, t, _ = x.shape
         qkv = self.qkv(x).reshape(n, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         x = F.scaled_dot_product_attention(q, k, v)
         return self.proj(x.transpose(1, 2).reshape(n, t, self.num_heads * self.head_dim))
 
@@ -181,10 +286,44 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class SwiGLUFeedForward(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020), LightningDiT's ``SwiGLUFFN``: one matrix ``w12`` makes the
+    gate and the value (its two halves), ``silu(gate) * value``, then ``w3``. ``hidden_dim`` is the
+    width of the gated product (LightningDiT: ``int(2/3 * int(hidden_size * mlp_ratio))``, so that
+    its three matrices hold as many weights as GELU's two)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w12 = nn.Linear(dim, 2 * hidden_dim, bias=True)
+        self.w3 = nn.Linear(hidden_dim, dim, bias=True)
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.w3.in_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, value = self.w12(x).chunk(2, dim=-1)
+        return self.w3(F.silu(gate) * value)
+
+
+def swiglu_hidden(hidden_size: int, mlp_ratio: float) -> int:
+    """The SwiGLU width LightningDiT builds for ``mlp_ratio``: two thirds of GELU's, rounded down."""
+    return int(2 / 3 * int(hidden_size * mlp_ratio))
+
+
+def mlp_channels(block: nn.Module) -> int:
+    """The hidden channels of a block's feed-forward (GELU's ``fc1`` rows, SwiGLU's product width)."""
+    mlp = block.mlp
+    return mlp.hidden_dim if isinstance(mlp, SwiGLUFeedForward) else cast(Mlp, mlp).fc1.out_features
+
+
 class DiTBlock(nn.Module):
     """A transformer block conditioned by adaLN-Zero: the conditioning regresses shift, scale
     and a residual gate for both the attention and the MLP branch; the gates start at zero so
-    every block starts as the identity."""
+    every block starts as the identity. ``norm`` / ``mlp`` / ``wo_shift`` choose LightningDiT's parts
+    (RMSNorm, SwiGLU, adaLN without shifts); ``rope`` (the rotary tables) is given by the network."""
+
+    mlp: Union[Mlp, SwiGLUFeedForward]
 
     def __init__(
         self,
@@ -193,17 +332,32 @@ class DiTBlock(nn.Module):
         mlp_ratio: float = 4.0,
         qk_norm: bool = False,
         attn_dim: Optional[int] = None,
+        norm: NormKind = "layernorm",
+        mlp: MlpKind = "gelu",
+        wo_shift: bool = False,
     ) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm, attn_dim=attn_dim)
-        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+        check_block_options(norm=norm, mlp=mlp)
+        self.norm1 = make_norm(norm, hidden_size)
+        self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm, attn_dim=attn_dim, norm=norm)
+        self.norm2 = make_norm(norm, hidden_size)
+        if mlp == "swiglu":
+            self.mlp = SwiGLUFeedForward(hidden_size, swiglu_hidden(hidden_size, mlp_ratio))
+        else:
+            self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
+        self.wo_shift = wo_shift
+        chunks = 4 if wo_shift else 6
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, chunks * hidden_size, bias=True))
 
-    def forward(self, x: Tensor, c: Tensor) -> Tensor:
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
-        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+    def forward(self, x: Tensor, c: Tensor, rope: Optional[RopeTables] = None) -> Tensor:
+        shift_msa: Optional[Tensor]
+        shift_mlp: Optional[Tensor]
+        if self.wo_shift:
+            scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(4, dim=1)
+            shift_msa = shift_mlp = None
+        else:
+            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
         x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
         return x
 
@@ -211,9 +365,9 @@ class DiTBlock(nn.Module):
 class FinalLayer(nn.Module):
     """adaLN (shift, scale) then a linear map from each token to its p x p x C_out patch."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int) -> None:
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: NormKind = "layernorm") -> None:
         super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.norm_final = make_norm(norm, hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
 
@@ -308,7 +462,9 @@ class DiT(nn.Module):
 
     ``forward(x, t, y)`` returns (N, out_channels, H, W) where out_channels = 2 * in_channels
     with ``learn_sigma`` (epsilon, then the variance interpolation value). ``attn_dim`` (the
-    width of q, k, v; default ``hidden_size``) is set only by head-pruned models.
+    width of q, k, v; default ``hidden_size``) is set only by head-pruned models. ``norm``, ``mlp``,
+    ``pos_embed`` and ``wo_shift`` choose the block's parts (the defaults: DiT's; ``"rmsnorm"``,
+    ``"swiglu"``, ``"rope"``: LightningDiT's).
     """
 
     _compiled: bool  # set once compiled in place (``DiTModule.configure_model``), absent before
@@ -328,8 +484,13 @@ class DiT(nn.Module):
         qk_norm: bool = False,
         activation_checkpointing: CheckpointSpec = None,
         attn_dim: Optional[int] = None,
+        norm: NormKind = "layernorm",
+        mlp: MlpKind = "gelu",
+        pos_embed: PosEmbedKind = "sincos",
+        wo_shift: bool = False,
     ) -> None:
         super().__init__()
+        check_block_options(norm=norm, mlp=mlp, pos_embed=pos_embed)
         if input_size % patch_size:
             raise ValueError(
                 f"patch_size {patch_size} does not divide the latent size {input_size}: "
@@ -347,6 +508,7 @@ class DiT(nn.Module):
         self.num_classes = num_classes
         self.learn_sigma = learn_sigma
         self.class_dropout_prob = class_dropout_prob
+        self.norm_kind, self.mlp_kind, self.pos_embed_kind, self.wo_shift = norm, mlp, pos_embed, wo_shift
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
@@ -354,13 +516,26 @@ class DiT(nn.Module):
         num_patches = self.x_embedder.num_patches
         # Fixed, not trained, but a Parameter (not a buffer) because released checkpoints hold it.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        # LightningDiT's rope rotates q and k in every block and keeps the sin-cos embedding too
+        self.feat_rope: Optional[RotaryEmbedding2D] = None
+        if pos_embed == "rope":
+            self.feat_rope = RotaryEmbedding2D((attn_dim or hidden_size) // num_heads, self.x_embedder.grid_size)
         self.blocks = DiTBlocks(
             [
-                DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, qk_norm=qk_norm, attn_dim=attn_dim)
+                DiTBlock(
+                    hidden_size,
+                    num_heads,
+                    mlp_ratio=mlp_ratio,
+                    qk_norm=qk_norm,
+                    attn_dim=attn_dim,
+                    norm=norm,
+                    mlp=mlp,
+                    wo_shift=wo_shift,
+                )
                 for _ in range(depth)
             ]
         )
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
         self.checkpoint_blocks: tuple[int, ...] = ()
         self.set_activation_checkpointing(activation_checkpointing)
         self.initialize_weights()
@@ -426,12 +601,13 @@ class DiT(nn.Module):
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
         recompute = self.checkpoint_blocks if (self.training and torch.is_grad_enabled()) else ()
         hidden: Optional[Tensor] = None
+        rope = self.feat_rope.tables() if self.feat_rope is not None else None
         for i, block in enumerate(self.blocks):
             if i in recompute:
                 # Non-reentrant: works with DDP, torch.compile and inputs that need no grad.
-                x = checkpoint(block, x, c, use_reentrant=False)
+                x = checkpoint(block, x, c, rope, use_reentrant=False)
             else:
-                x = block(x, c)
+                x = block(x, c, rope)
             if i + 1 == hidden_at:
                 hidden = x
         out = self.unpatchify(self.final_layer(x, c))
@@ -475,15 +651,30 @@ DIT_CONFIGS: dict[str, dict[str, int]] = {
 }
 
 
-def dit_config(name: str) -> dict[str, int]:
-    """Depth, hidden size, heads and patch size of a named configuration (e.g. ``"DiT-XL/2"``)."""
+# LightningDiT's sizes (github.com/hustvl/LightningDiT, models/lightningdit.py) with its published block:
+# RMSNorm, SwiGLU and rope (configs/lightningdit_xl_vavae_f16d32.yaml; no QK-norm, adaLN with shifts).
+_LIGHTNING_SIZES = {"B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16), "1p0B": (24, 1536, 24)}
+_LIGHTNING_SIZES["1p6B"] = (28, 1792, 28)
+LIGHTNING_BLOCK: dict[str, Any] = {"norm": "rmsnorm", "mlp": "swiglu", "pos_embed": "rope"}
+LIGHTNINGDIT_CONFIGS: dict[str, dict[str, Any]] = {
+    f"LightningDiT-{size}/{p}": {"depth": d, "hidden_size": h, "num_heads": n, "patch_size": p, **LIGHTNING_BLOCK}
+    for size, (d, h, n) in _LIGHTNING_SIZES.items()
+    for p in (1, 2)
+    if (size, p) != ("L", 1)  # LightningDiT registers no L/1
+}
+
+
+def dit_config(name: str) -> dict[str, Any]:
+    """Depth, hidden size, heads and patch size of a named configuration (e.g. ``"DiT-XL/2"``), and
+    the block options of a LightningDiT (``"LightningDiT-XL/1"``: RMSNorm, SwiGLU, rope)."""
     key = name.strip()
     if "/" not in key and key.count("-") == 2:  # accept the file-name spelling "DiT-XL-2"
         head, _, patch = key.rpartition("-")
         key = f"{head}/{patch}"
-    if key not in DIT_CONFIGS:
-        raise ValueError(f"unknown DiT model '{name}': choose one of {', '.join(DIT_CONFIGS)} or 'custom'")
-    return dict(DIT_CONFIGS[key])
+    named = {**DIT_CONFIGS, **LIGHTNINGDIT_CONFIGS}
+    if key not in named:
+        raise ValueError(f"unknown DiT model '{name}': choose one of {', '.join(named)} or 'custom'")
+    return dict(named[key])
 
 
 def build_dit(name: str = "DiT-XL/2", **overrides: Any) -> DiT:

@@ -5,6 +5,10 @@ FLOPs are 2x. These closed forms count every matrix multiplication (patch embedd
 MLP, adaLN regressions, qkv/proj, attention scores and values, MLP, final layer) and nothing
 elementwise. They agree with the published table to within 0.1% (the published figures came
 from a tracing counter whose treatment of a few small ops differs slightly).
+
+LightningDiT's block options count as built: SwiGLU's three matrices (``w12``: D -> 2m, ``w3``:
+m -> D, with m = int(2/3 * int(D * mlp_ratio))), RMSNorm's gains (D per norm), adaLN without
+shifts (4D outputs, not 6D). Rope and RMSNorm are elementwise (no MACs); rope has no parameters.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ class DiTShape:
     class_dropout_prob: float = 0.1
     frequency_embedding_size: int = 256
     attn_dim: Optional[int] = None  # width of q, k, v; None: hidden_size (differs after head pruning)
+    # the block options (dit.py): DiT's block by default, LightningDiT's rmsnorm / swiglu / rope / wo_shift
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    pos_embed: str = "sincos"
+    wo_shift: bool = False
 
     @property
     def tokens(self) -> int:
@@ -44,7 +53,24 @@ class DiTShape:
 
     @property
     def mlp_hidden(self) -> int:
-        return int(self.hidden_size * self.mlp_ratio)
+        """The feed-forward's hidden channels (SwiGLU: the width of its gated product)."""
+        gelu = int(self.hidden_size * self.mlp_ratio)
+        return int(2 / 3 * gelu) if self.mlp == "swiglu" else gelu
+
+    @property
+    def mlp_matrices(self) -> int:
+        """D x m matrices of the feed-forward: GELU's fc1 and fc2, SwiGLU's w12 (two) and w3."""
+        return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def adaln_chunks(self) -> int:
+        """Vectors a block's adaLN regresses: shift, scale, gate twice; 4 without shifts."""
+        return 4 if self.wo_shift else 6
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one token norm: RMSNorm's gain; DiT's LayerNorms have none."""
+        return self.hidden_size if self.norm == "rmsnorm" else 0
 
     @classmethod
     def of(cls, model) -> DiTShape:
@@ -61,6 +87,10 @@ class DiTShape:
             mlp_ratio=model.mlp_ratio,
             class_dropout_prob=model.class_dropout_prob,
             attn_dim=getattr(model, "attn_dim", None),
+            norm=getattr(model, "norm_kind", "layernorm"),
+            mlp=getattr(model, "mlp_kind", "gelu"),
+            pos_embed=getattr(model, "pos_embed_kind", "sincos"),
+            wo_shift=bool(getattr(model, "wo_shift", False)),
         )
 
 
@@ -69,8 +99,8 @@ def block_macs(s: DiTShape) -> int:
     t, d, m, a = s.tokens, s.hidden_size, s.mlp_hidden, s.qkv_dim
     qkv_proj = t * d * 3 * a + t * a * d
     attention = 2 * t * t * a  # QK^T and AV over all heads
-    mlp = 2 * t * d * m
-    adaln = d * 6 * d  # once per image, not per token
+    mlp = s.mlp_matrices * t * d * m
+    adaln = d * s.adaln_chunks * d  # once per image, not per token
     return qkv_proj + attention + mlp + adaln
 
 
@@ -98,8 +128,10 @@ def dit_params(s: DiTShape, include_pos_embed: bool = True) -> int:
     patch_embed = s.in_channels * p * p * d + d
     t_embed = s.frequency_embedding_size * d + d + d * d + d
     y_embed = (s.num_classes + int(s.class_dropout_prob > 0)) * d
-    block = (d * 3 * a + 3 * a) + (a * d + d) + (d * m + m) + (m * d + d) + (d * 6 * d + 6 * d)
-    final = (d * 2 * d + 2 * d) + (d * p * p * s.out_channels + p * p * s.out_channels)
+    k = s.adaln_chunks
+    mlp = (d * m + m) * (s.mlp_matrices - 1) + (m * d + d)
+    block = (d * 3 * a + 3 * a) + (a * d + d) + mlp + (d * k * d + k * d) + 2 * s.norm_params
+    final = (d * 2 * d + 2 * d) + (d * p * p * s.out_channels + p * p * s.out_channels) + s.norm_params
     pos = s.tokens * d if include_pos_embed else 0
     return patch_embed + t_embed + y_embed + s.depth * block + final + pos
 

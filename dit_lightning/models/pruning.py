@@ -10,8 +10,9 @@ What is removed is chosen by a stated importance score:
 * blocks (:func:`block_importance`): the increase of the diffusion loss on a calibration
   batch, with fixed timesteps and noise, when the block is replaced by the identity;
 * MLP channels (:func:`mlp_channel_scores`): ``|fc1 row j| * |fc2 column j|`` (L1 or L2), the
-  size of the channel's path through the block, or its mean |activation| on a calibration
-  batch times ``|fc2 column j|``;
+  size of the channel's path through the block (SwiGLU: ``|gate row j| * |value row j| * |w3 column j|``,
+  the two halves of ``w12`` and the column of ``w3`` pruned together), or its mean |activation| (the
+  input of ``fc2`` / ``w3``) on a calibration batch times ``|fc2 column j|``;
 * attention heads (:func:`head_scores`): ``|W_v rows of head h| * |proj columns of head h|``,
   the size of the head's path to the residual stream.
 
@@ -29,8 +30,8 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from .config import build_from_config, mlp_ratio_for, model_config
-from .dit import DiT
+from .config import build_from_config, mlp_ratio_for, model_config, swiglu_mlp_ratio_for
+from .dit import DiT, DiTBlock, SwiGLUFeedForward, mlp_channels
 
 StateDict = dict[str, Tensor]
 
@@ -164,13 +165,25 @@ def _norm(w: Tensor, dim: int, criterion: str) -> Tensor:
     raise ValueError(f"unknown criterion {criterion!r}: use 'l1' or 'l2' (or pass scores)")
 
 
+def _output_projection(block: DiTBlock) -> nn.Linear:
+    """The feed-forward's last matrix, whose input columns are the channels (``fc2``, SwiGLU's ``w3``)."""
+    return block.mlp.w3 if isinstance(block.mlp, SwiGLUFeedForward) else block.mlp.fc2
+
+
 @torch.no_grad()
 def mlp_channel_scores(model: DiT, criterion: Criterion = "l1") -> list[Tensor]:
-    """Per block, the (mlp_hidden,) importance of each channel: ``|fc1 row j| * |fc2 col j|``."""
+    """Per block, the (mlp_hidden,) importance of each channel: ``|fc1 row j| * |fc2 col j|``
+    (SwiGLU: ``|gate row j| * |value row j| * |w3 col j|``)."""
     out = []
     for block in model.blocks:
-        fc1, fc2 = block.mlp.fc1.weight.float(), block.mlp.fc2.weight.float()
-        out.append(_norm(fc1, 1, criterion) * _norm(fc2, 0, criterion))
+        mlp = block.mlp
+        if isinstance(mlp, SwiGLUFeedForward):
+            gate, value = mlp.w12.weight.float().chunk(2, dim=0)
+            w3 = mlp.w3.weight.float()
+            out.append(_norm(gate, 1, criterion) * _norm(value, 1, criterion) * _norm(w3, 0, criterion))
+        else:
+            fc1, fc2 = mlp.fc1.weight.float(), mlp.fc2.weight.float()
+            out.append(_norm(fc1, 1, criterion) * _norm(fc2, 0, criterion))
     return out
 
 
@@ -178,26 +191,28 @@ def mlp_channel_scores(model: DiT, criterion: Criterion = "l1") -> list[Tensor]:
 def mlp_activation_scores(
     model: DiT, diffusion: Any, batch: dict[str, Tensor], draws: int = 1, seed: int = 0
 ) -> list[Tensor]:
-    """Per block, mean |GELU output of channel j| on calibration inputs times ``|fc2 col j|_1``:
-    the channel's typical contribution to the residual stream (data-aware)."""
-    sums = [torch.zeros(b.mlp.fc1.out_features, dtype=torch.float64) for b in model.blocks]
+    """Per block, mean |GELU output of channel j| (SwiGLU: of the gated product) on calibration
+    inputs times ``|fc2 col j|_1`` (``w3``'s): the channel's typical contribution to the residual
+    stream (data-aware)."""
+    sums = [torch.zeros(mlp_channels(b), dtype=torch.float64) for b in model.blocks]
     count = [0]
     handles = []
     for i, block in enumerate(model.blocks):
 
-        def hook(_m, _args, out, i=i):
-            sums[i] += out.detach().abs().double().sum(dim=(0, 1)).cpu()
+        def hook(_m: nn.Module, args: tuple[Tensor, ...], i: int = i) -> None:
+            act = args[0]  # the input of fc2 / w3: the channels' activations
+            sums[i] += act.detach().abs().double().sum(dim=(0, 1)).cpu()
             if i == 0:
-                count[0] += out.shape[0] * out.shape[1]
+                count[0] += act.shape[0] * act.shape[1]
 
-        handles.append(block.mlp.act.register_forward_hook(hook))
+        handles.append(_output_projection(block).register_forward_pre_hook(hook))
     try:
         calibration_loss(model, diffusion, calibration_inputs(batch, diffusion.num_timesteps, draws=draws, seed=seed))
     finally:
         for h in handles:
             h.remove()
     return [
-        (s / max(count[0], 1)).float() * b.mlp.fc2.weight.detach().float().abs().sum(0).cpu()
+        (s / max(count[0], 1)).float() * _output_projection(b).weight.detach().float().abs().sum(0).cpu()
         for s, b in zip(sums, model.blocks)
     ]
 
@@ -213,8 +228,9 @@ def prune_mlp(
     """A DiT whose MLPs keep ``keep_channels`` hidden channels per block (or the fraction
     ``keep_ratio``, rounded down to ``multiple_of``, e.g. 8 or 64 for tensor cores), the most
     important ones by ``scores`` (default :func:`mlp_channel_scores` with ``criterion``).
-    The count is the same in every block (one ``mlp_ratio``); which channels differ per block."""
-    mlp_hidden = model.blocks[0].mlp.fc1.out_features
+    The count is the same in every block (one ``mlp_ratio``); which channels differ per block.
+    A SwiGLU channel is a gate row and a value row of ``w12`` and a column of ``w3``, pruned together."""
+    mlp_hidden = mlp_channels(model.blocks[0])
     if keep_channels is None:
         if keep_ratio is None:
             raise ValueError("give exactly one of keep_ratio and keep_channels")
@@ -230,13 +246,20 @@ def prune_mlp(
         s = scores[i].float().cpu()
         # Highest scores first; ties keep the lower index (so "keep all" is the identity order).
         order = torch.argsort(-s, stable=True)[:keep_channels]
-        idx = torch.sort(order).values.to(block.mlp.fc1.weight.device)
+        idx = torch.sort(order).values.to(_output_projection(block).weight.device)
         p = f"blocks.{i}.mlp."
-        sd[p + "fc1.weight"] = sd[p + "fc1.weight"][idx].clone()
-        sd[p + "fc1.bias"] = sd[p + "fc1.bias"][idx].clone()
-        sd[p + "fc2.weight"] = sd[p + "fc2.weight"][:, idx].clone()
+        if isinstance(block.mlp, SwiGLUFeedForward):
+            rows = torch.cat([idx, idx + mlp_hidden])  # the gate's rows, then the value's (w12's halves)
+            sd[p + "w12.weight"] = sd[p + "w12.weight"][rows].clone()
+            sd[p + "w12.bias"] = sd[p + "w12.bias"][rows].clone()
+            sd[p + "w3.weight"] = sd[p + "w3.weight"][:, idx].clone()
+        else:
+            sd[p + "fc1.weight"] = sd[p + "fc1.weight"][idx].clone()
+            sd[p + "fc1.bias"] = sd[p + "fc1.bias"][idx].clone()
+            sd[p + "fc2.weight"] = sd[p + "fc2.weight"][:, idx].clone()
     cfg = model_config(model)
-    cfg["mlp_ratio"] = mlp_ratio_for(model.hidden_size, keep_channels)
+    swiglu = isinstance(model.blocks[0].mlp, SwiGLUFeedForward)
+    cfg["mlp_ratio"] = (swiglu_mlp_ratio_for if swiglu else mlp_ratio_for)(model.hidden_size, keep_channels)
     return _rebuild(model, cfg, sd)
 
 
@@ -271,7 +294,8 @@ def prune_heads(
     """A DiT whose attention keeps ``keep_heads`` heads per block (the most important by
     ``scores``, default :func:`head_scores`). The head dimension stays, so the attention width
     becomes ``keep_heads * head_dim`` while the residual width ``hidden_size`` is unchanged:
-    qkv shrinks to (3 * inner, hidden) and proj to (hidden, inner)."""
+    qkv shrinks to (3 * inner, hidden) and proj to (hidden, inner). Rope's tables (per head
+    channel) and a QK-norm's weights (per head channel) stay as they are."""
     heads = model.blocks[0].attn.num_heads
     hd = model.blocks[0].attn.head_dim
     if not 1 <= keep_heads <= heads:

@@ -57,21 +57,26 @@ def gradient_shapes(s: DiTShape, qk_norm: bool = False) -> dict[str, list[tuple[
         (p * p * s.out_channels, d),
         (p * p * s.out_channels,),  # final layer
     ]
+    rows = 2 * m if s.mlp == "swiglu" else m  # SwiGLU's w12 holds the gate's and the value's rows
+    k = s.adaln_chunks
     block: list[tuple[int, ...]] = [
         (3 * d, d),
         (3 * d,),
         (d, d),
         (d,),
-        (m, d),
-        (m,),
+        (rows, d),
+        (rows,),
         (d, m),
         (d,),
-        (6 * d, d),
-        (6 * d,),
+        (k * d, d),
+        (k * d,),
     ]
+    if s.norm == "rmsnorm":  # RMSNorm's gains: norm1, norm2 per block, the final norm at the root
+        block += [(d,)] * 2
+        root.append((d,))
     if qk_norm:
         head = s.qkv_dim // s.num_heads
-        block += [(head,)] * 4
+        block += [(head,)] * (2 if s.norm == "rmsnorm" else 4)
     return {"root": root, "block": block}
 
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional, TypeVar, Union
 
-from ..models.dit import resolve_checkpoint_blocks
+from ..models.dit import check_block_options, resolve_checkpoint_blocks
 from ..models.flops import DiTShape, shape_of
 from ..precision import TRAINING_PRECISIONS, TrainingPrecision, is_mixed, itemsize
 from .hardware import INTERCONNECTS, GPUSpec, gpu_spec
@@ -101,6 +101,11 @@ class PlanOptions:
         learn_sigma: the network predicts the variance too (twice the output channels).
         mlp_ratio: MLP width over the hidden size.
         qk_norm: the model's QK-norm (--model.qk_norm): LayerNorm of q and k, more saved tensors per block.
+        norm: the block's norms (--model.norm): layernorm (DiT) or rmsnorm (LightningDiT); unset: the
+            named model's.
+        mlp: the feed-forward (--model.mlp): gelu (DiT) or swiglu (LightningDiT); unset: the named model's.
+        pos_embed: sincos (DiT) or rope (LightningDiT's rotary q and k); unset: the named model's.
+        wo_shift: adaLN without shifts (--model.wo_shift); unset: the named model's.
         micro_batch: per-GPU batch of one forward/backward (unset: 32 in plan mode; with --fit searched,
             set: pinned).
         accumulate_grad_batches: gradient accumulation; >1 keeps the gradients alive through the next
@@ -153,6 +158,10 @@ class PlanOptions:
     learn_sigma: bool = True
     mlp_ratio: float = 4.0
     qk_norm: bool = False
+    norm: Optional[str] = None
+    mlp: Optional[str] = None
+    pos_embed: Optional[str] = None
+    wo_shift: Optional[bool] = None
     # the batch per device and the settings recommend searches (None: PLAN_DEFAULTS / searched)
     micro_batch: Optional[int] = None
     accumulate_grad_batches: Optional[int] = None
@@ -201,6 +210,9 @@ class PlanOptions:
     @property
     def shape(self) -> DiTShape:
         """The network's :class:`~dit_lightning.models.flops.DiTShape`."""
+        check_block_options(
+            **{k: v for k, v in (("norm", self.norm), ("mlp", self.mlp), ("pos_embed", self.pos_embed)) if v}
+        )
         return shape_of(
             self.model,
             input_size=self.latent_size,
@@ -212,6 +224,10 @@ class PlanOptions:
             num_classes=self.num_classes,
             learn_sigma=self.learn_sigma,
             mlp_ratio=self.mlp_ratio,
+            norm=self.norm,
+            mlp=self.mlp,
+            pos_embed=self.pos_embed,
+            wo_shift=self.wo_shift,
         )
 
     @property
@@ -312,15 +328,22 @@ class MemoryPlan:
 
 
 def qk_norm_param_count(s: DiTShape) -> int:
-    """Parameters of one block's QK-norm: two LayerNorms (weight and bias) over a head's width."""
-    return 2 * 2 * (s.qkv_dim // s.num_heads)
+    """Parameters of one block's QK-norm: two LayerNorms (weight and bias) over a head's width, or
+    two RMSNorms (a gain each) with ``norm: rmsnorm``."""
+    return 2 * (1 if s.norm == "rmsnorm" else 2) * (s.qkv_dim // s.num_heads)
 
 
 def block_param_count(s: DiTShape, qk_norm: bool = False) -> int:
-    """Parameters of one DiT block (qkv, proj, fc1, fc2, adaLN; the QK-norm's with ``qk_norm``)."""
-    d, m = s.hidden_size, s.mlp_hidden
-    matmuls = (d * 3 * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d) + (d * 6 * d + 6 * d)
-    return matmuls + (qk_norm_param_count(s) if qk_norm else 0)
+    """Parameters of one DiT block (qkv, proj, the feed-forward, adaLN, RMSNorm's gains; the QK-norm's
+    with ``qk_norm``)."""
+    return block_matmul_param_count(s) + 2 * s.norm_params + (qk_norm_param_count(s) if qk_norm else 0)
+
+
+def block_matmul_param_count(s: DiTShape) -> int:
+    """Parameters of one block's matrix multiplications and their biases (what autocast casts)."""
+    d, m, k = s.hidden_size, s.mlp_hidden, s.adaln_chunks
+    mlp = (d * m + m) * (s.mlp_matrices - 1) + (m * d + d)  # GELU: fc1, fc2; SwiGLU: w12 (2m rows), w3
+    return (d * 3 * d + 3 * d) + (d * d + d) + mlp + (d * k * d + k * d)
 
 
 def param_counts(s: DiTShape, qk_norm: bool = False) -> dict[str, int]:
@@ -332,18 +355,19 @@ def param_counts(s: DiTShape, qk_norm: bool = False) -> dict[str, int]:
     patch = s.in_channels * p * p * d + d
     t_mlp = s.frequency_embedding_size * d + d + d * d + d
     y_table = (s.num_classes + int(s.class_dropout_prob > 0)) * d
-    final = (d * 2 * d + 2 * d) + (d * p * p * s.out_channels + p * p * s.out_channels)
+    final_matmul = (d * 2 * d + 2 * d) + (d * p * p * s.out_channels + p * p * s.out_channels)
+    final = final_matmul + s.norm_params
     pos = s.tokens * d
     total = patch + t_mlp + y_table + s.depth * blk + final + pos
     return {
         "total": total,
         "trainable": total - pos,  # pos_embed is a fixed, requires_grad=False parameter
         "block": blk,
-        "block_matmul": blk - (qk_norm_param_count(s) if qk_norm else 0),  # cast to 16 bits by autocast
+        "block_matmul": block_matmul_param_count(s),  # cast to 16 bits by autocast (norms are not)
         "head": patch + t_mlp + y_table,
         "tail": final,
         "pos_embed": pos,
-        "matmul_nonblock": patch + t_mlp + final,  # cast to 16 bits by autocast
+        "matmul_nonblock": patch + t_mlp + final_matmul,  # cast to 16 bits by autocast
     }
 
 
@@ -367,7 +391,8 @@ def block_activation_terms(
     of the qkv output), the output and a logsumexp: O(T). ``math`` keeps the softmax matrix:
     O(T^2). PyTorch's CPU math path computes 16-bit attention in fp32, so there the attention
     tensors are fp32 even under autocast. ``qk_norm``: the LayerNorms of q and k add their
-    statistics and outputs (:func:`qk_norm_terms`).
+    statistics and outputs (:func:`qk_norm_terms`). LightningDiT's options (``s.norm``, ``s.mlp``,
+    ``s.pos_embed``, ``s.wo_shift``) change their own tensors (:func:`lightning_block_terms`).
     """
     t, d, m, h = s.tokens, s.hidden_size, s.mlp_hidden, s.num_heads
     f, b = 4, (2 if mixed else 4)
@@ -401,7 +426,66 @@ def block_activation_terms(
         }
     )
     if qk_norm:
-        terms.update(qk_norm_terms(s, n, mixed, attention, device))
+        qk = rms_qk_norm_terms if s.norm == "rmsnorm" else qk_norm_terms
+        terms.update(qk(s, n, mixed, attention, device))
+    return lightning_block_terms(s, n, mixed, attention, terms)
+
+
+def lightning_block_terms(
+    s: DiTShape, n: int, mixed: bool, attention: Literal["flash", "math"], terms: dict[str, int]
+) -> dict[str, int]:
+    """DiT's block ``terms`` changed by LightningDiT's options, read off the autograd graph on CPU
+    (``tests/planner/test_memory.py``; no CUDA device measured them: the same ops are assumed there).
+
+    SwiGLU keeps ``w12``'s output (gate and value, 2m wide), SiLU(gate) and the product (``w3``'s
+    input) instead of GELU's two m-wide tensors. RMSNorm computes in fp32 and keeps its rsqrt and the
+    normalised tokens (its gain's input) instead of LayerNorm's mean and rstd. Rope makes new q and k
+    that the flash kernels keep (the math path keeps its own scaled copies anyway), and under autocast
+    16-bit copies of its tables. Without shifts adaLN's output is 4D, not 6D.
+    """
+    t, d, m = s.tokens, s.hidden_size, s.mlp_hidden
+    b = 2 if mixed else 4
+    td, tm = n * t * d, n * t * m
+    terms = dict(terms)
+    if s.mlp == "swiglu":
+        del terms["fc1 output (GELU)"], terms["GELU output (fc2)"]
+        terms["modulate2 output (w12)"] = terms.pop("modulate2 output (fc1)")
+        terms["w12 output (gate and value)"] = 2 * tm * b
+        terms["SiLU(gate) (product)"] = tm * b
+        terms["gated product (w3)"] = tm * b
+        terms["w3 output (gate)"] = terms.pop("fc2 output (gate)")
+    if s.norm == "rmsnorm":
+        del terms["LayerNorm mean/rstd"]
+        terms["RMSNorm rsqrt"] = 2 * n * t * 4
+        terms["RMSNorm normalised tokens (gain)"] = 2 * td * 4
+    if s.pos_embed == "rope":
+        if attention == "flash":
+            terms["rope: rotated q, k (SDPA)"] = 2 * td * b
+        if mixed:
+            terms["rope: 16-bit cos / sin tables"] = 2 * 2 * t * (s.qkv_dim // s.num_heads) * 2
+    if s.wo_shift:
+        terms["adaLN (per sample)"] = n * d * (1 + 4 + 2) * b
+    return terms
+
+
+def rms_qk_norm_terms(
+    s: DiTShape, n: int, mixed: bool, attention: Literal["flash", "math"], device: str
+) -> dict[str, int]:
+    """What a QK-norm of RMSNorms (``norm: rmsnorm``, LightningDiT's) adds to a block's saved tensors,
+    read off the autograd graph on CPU: each keeps its rsqrt, the fp32 normalised q / k (under autocast
+    the fp32 copy of its input instead), and the flash path its output (under autocast, 16-bit, and
+    SDPA's copy of it); the math path keeps its normalised tensors, and in fp32 the qkv output through
+    the norms' inputs."""
+    t, d, h = s.tokens, s.hidden_size, s.num_heads
+    b = 2 if mixed else 4
+    td = n * t * d
+    terms = {"QK-norm rsqrt": 2 * n * h * t * 4, "QK-norm fp32 q, k": 2 * td * 4}
+    if attention == "flash":  # the gain's output; under autocast SDPA's 16-bit copy of it too
+        terms["QK-norm outputs (gain, SDPA)"] = (2 if mixed else 1) * 2 * td * b
+    elif mixed:
+        terms["QK-norm outputs (gain)"] = 2 * td * b
+    else:
+        terms["qkv output (q, k views for the QK-norm)"] = 3 * td * b
     return terms
 
 
@@ -432,6 +516,15 @@ def qk_norm_terms(s: DiTShape, n: int, mixed: bool, attention: Literal["flash", 
     return terms
 
 
+_LIGHTNING_ASSUMPTIONS = {
+    "norm": "RMSNorm keeps its normalised tokens in fp32",
+    "mlp": "SwiGLU keeps its 2m-wide w12 output, SiLU(gate) and the product",
+    "pos_embed": "rope keeps rotated q and k",
+    "wo_shift": "adaLN without shifts",
+}
+_DIT_BLOCK = (False, "layernorm", "gelu", "sincos")
+
+
 def checkpointed_block_bytes(s: DiTShape, n: int) -> int:
     """A recomputed block keeps only its input (fp32 residual stream)."""
     return n * s.tokens * s.hidden_size * 4
@@ -447,6 +540,8 @@ def nonblock_activation_terms(s: DiTShape, n: int, mixed: bool) -> dict[str, int
         "timestep/label embedding": n * (s.frequency_embedding_size * b + d * (f + b) + d * f),
         "final layer (norm, modulate, linear input)": n * t * d * (f + f + b) + n * d * 4 * b,
         "hybrid loss": LOSS_SAVED_LATENTS * latent * 4,
+        # RMSNorm's normalised tokens (its gain's input) and rsqrt
+        **({"final RMSNorm": n * t * d * 4 + n * t * 4} if s.norm == "rmsnorm" else {}),
     }
 
 
@@ -711,8 +806,18 @@ def plan_memory(
     if o.qk_norm:
         assumptions.insert(
             1,
-            "QK-norm: each block also keeps the LayerNorm'd q and k and their statistics"
-            + (" (LayerNorm in fp32 under CUDA autocast)" if mixed and device == "cuda" else ""),
+            (
+                "QK-norm: each block also keeps the RMSNorm'd q and k, their fp32 forms and rsqrt"
+                if shape.norm == "rmsnorm"
+                else "QK-norm: each block also keeps the LayerNorm'd q and k and their statistics"
+                + (" (LayerNorm in fp32 under CUDA autocast)" if mixed and device == "cuda" else "")
+            ),
+        )
+    lightning = [label for key, label in _LIGHTNING_ASSUMPTIONS.items() if getattr(shape, key) not in _DIT_BLOCK]
+    if lightning:
+        assumptions.insert(
+            1,
+            "LightningDiT's block: " + "; ".join(lightning) + " (saved tensors measured on CPU; CUDA assumed the same)",
         )
     if repa["projector_params"]:
         assumptions.append(

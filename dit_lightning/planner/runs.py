@@ -26,7 +26,20 @@ from ..precision import TRAINING_PRECISIONS, lightning_precision, to_dtype
 RUN_CONFIG = "config.yaml"
 RUN_HPARAMS = "hparams.yaml"
 # The network's settings a run records, by PlanOptions field
-_SHAPE = ("model", "depth", "hidden_size", "num_heads", "patch_size", "mlp_ratio", "learn_sigma", "qk_norm")
+_SHAPE = (
+    "model",
+    "depth",
+    "hidden_size",
+    "num_heads",
+    "patch_size",
+    "mlp_ratio",
+    "learn_sigma",
+    "qk_norm",
+    "norm",
+    "mlp",
+    "pos_embed",
+    "wo_shift",
+)
 
 
 @dataclasses.dataclass

@@ -94,3 +94,27 @@ def test_mlp_ratio_recovers_the_channel_count_exactly():
     model = randomized(hidden_size=56, num_heads=4)
     pruned = prune_depth(prune_mlp(model, keep_channels=61), 2)  # the rebuild keeps 61 channels
     assert pruned.blocks[0].mlp.fc1.out_features == 61
+
+
+def test_lightningdit_block_prunes_swiglu_channels_heads_and_depth_exactly():
+    """SwiGLU: a channel is a gate row and a value row of w12 and a column of w3, removed together;
+    heads keep their size (rope's tables and RMSNorm QK-norm stay valid); depth is plain."""
+    model = randomized(norm="rmsnorm", mlp="swiglu", pos_embed="rope", qk_norm=True, num_heads=2)
+    hidden = model.blocks[0].mlp.hidden_dim  # int(2/3 * 128) = 85
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp.w3.weight[:, 5:30] = 0  # 25 channels reach nothing
+            block.mlp.w12.weight[hidden + 40 : hidden + 45] = 0  # 5 more: their value rows are zero
+            block.mlp.w12.bias[hidden + 40 : hidden + 45] = 0
+            block.attn.proj.weight[:, 16:32] = 0  # head 1 reaches nothing
+    x, t, y = inputs()
+    ref = model(x, t, y)
+    narrow = prune_mlp(model, keep_channels=hidden - 30)
+    assert narrow.blocks[0].mlp.w12.weight.shape[0] == 2 * (hidden - 30)
+    assert narrow.blocks[0].mlp.hidden_dim == hidden - 30 and narrow.mlp_kind == "swiglu"
+    torch.testing.assert_close(narrow(x, t, y), ref, rtol=1e-5, atol=1e-5)
+    one_head = prune_heads(model, 1)
+    assert one_head.blocks[0].attn.head_dim == 16 and one_head.feat_rope is not None
+    torch.testing.assert_close(one_head(x, t, y), ref, rtol=1e-5, atol=1e-5)
+    shallow = prune_depth(narrow, [0, 2])
+    assert len(shallow.blocks) == 2 and shallow.blocks[0].mlp.hidden_dim == hidden - 30

@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from dit_lightning.models import build_dit, dit_params, shape_of
+from dit_lightning.models import DiTShape, build_dit, dit_params, shape_of
 from dit_lightning.planner import (
     GiB,
     PlanOptions,
@@ -209,16 +209,26 @@ def test_plan_options_are_the_keyword_call_and_plan_the_documented_defaults():
         plan_memory(precision="bf16")
 
 
-def _saved_block_bytes(qk_norm: bool, attention: str, amp, device: str = "cpu", n: int = 2) -> int:
+def _saved_block_bytes(qk_norm: bool, attention: str, amp, device: str = "cpu", n: int = 2, **options) -> int:
     """Bytes one DiTBlock (16x16 latents, patch 2, width 64, 4 heads) saves for its backward, its
-    parameters and their autocast copies excluded."""
+    parameters and their autocast copies excluded (and rope's tables, the network's buffers)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    block = build_dit(
-        "custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10, qk_norm=qk_norm
-    ).blocks[0]
-    block.to(device)
+    net = build_dit(
+        "custom",
+        input_size=16,
+        patch_size=2,
+        hidden_size=64,
+        depth=1,
+        num_heads=4,
+        num_classes=10,
+        qk_norm=qk_norm,
+        **options,
+    ).to(device)
+    block = net.blocks[0]
+    rope = net.feat_rope.tables() if net.feat_rope is not None else None
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    params |= {r.untyped_storage().data_ptr() for r in rope or ()}
     x = torch.randn(n, 64, 64, device=device, requires_grad=True)
     c = torch.randn(n, 64, device=device, requires_grad=True)
     saved: dict[int, int] = {}
@@ -231,7 +241,7 @@ def _saved_block_bytes(qk_norm: bool, attention: str, amp, device: str = "cpu", 
     kernel = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
     cast = torch.autocast(device, dtype=amp) if amp else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kernel, cast:
-        block(x, c)
+        block(x, c, rope)
     # autocast's 16-bit copies of the matmul weights (the QK-norm's LayerNorm weights are not cast)
     copies = 2 * sum(p.numel() for name, p in block.named_parameters() if p.dim() == 2) if amp else 0
     return sum(saved.values()) - c.numel() * 4 - copies
@@ -283,3 +293,84 @@ def test_qk_norm_prediction_matches_the_measured_peak_of_a_real_step(case):
     # what the lever adds, predicted within 2% of what the step measured
     added = planned.peak_allocated - planned_without.peak_allocated
     assert added == pytest.approx(measured - measured_without, rel=0.02)
+
+
+# LightningDiT's block options (one at a time, with RMSNorm QK-norm, and LightningDiT's published block)
+LIGHTNING_OPTIONS = [
+    {"norm": "rmsnorm"},
+    {"mlp": "swiglu"},
+    {"pos_embed": "rope"},
+    {"wo_shift": True},
+    {"norm": "rmsnorm", "qk_norm": True},
+    {"norm": "rmsnorm", "mlp": "swiglu", "pos_embed": "rope"},
+]
+
+
+@pytest.mark.parametrize("attention, amp", QK_CASES, ids=["flash", "math", "flash-bf16", "math-bf16"])
+def test_lightningdit_block_terms_are_the_tensors_autograd_saves(attention, amp):
+    """Each option's block terms are what its block saves for backward, byte for byte (CPU)."""
+    for options in LIGHTNING_OPTIONS:
+        options = dict(options)
+        qk = options.pop("qk_norm", False)
+        shape = shape_of(
+            "custom", input_size=16, patch_size=2, hidden_size=64, depth=1, num_heads=4, num_classes=10, **options
+        )
+        planned = sum(block_activation_terms(shape, 2, amp is not None, attention, "cpu", qk).values())
+        assert planned == _saved_block_bytes(qk, attention, amp, **options), options
+
+
+@pytest.mark.parametrize("options", LIGHTNING_OPTIONS, ids=lambda o: "-".join(map(str, o.values())))
+def test_lightningdit_parameter_counts_are_the_built_networks(options):
+    from dit_lightning.planner.communication import gradient_shapes
+
+    options = dict(options)
+    qk = options.pop("qk_norm", False)
+    sizes = dict(depth=2, hidden_size=64, num_heads=4, patch_size=2, num_classes=10)
+    net = build_dit("custom", input_size=16, qk_norm=qk, **sizes, **options)
+    counts = PlanOptions(model="custom", latent_size=16, qk_norm=qk, **sizes, **options).param_counts()
+    assert counts["total"] == sum(p.numel() for p in net.parameters())
+    assert counts["block"] == sum(p.numel() for p in net.blocks[0].parameters())
+    assert counts["block_matmul"] == sum(p.numel() for n, p in net.blocks[0].named_parameters() if "norm" not in n)
+    shapes = gradient_shapes(DiTShape.of(net), qk)
+    assert sorted(shapes["block"]) == sorted(tuple(p.shape) for p in net.blocks[0].parameters())
+    if not qk:  # dit_params leaves a QK-norm out
+        assert dit_params(DiTShape.of(net)) == counts["total"]
+
+
+def test_lightningdit_macs_are_what_the_flop_counter_counts():
+    """The MAC formula against PyTorch's counter (which does not count CPU SDPA: added back)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dit_lightning.models import dit_macs
+
+    for options in (
+        {},
+        {"mlp": "swiglu"},
+        {"wo_shift": True},
+        {"norm": "rmsnorm", "mlp": "swiglu", "pos_embed": "rope"},
+    ):
+        net = build_dit(
+            "custom", input_size=16, patch_size=2, hidden_size=64, depth=2, num_heads=4, num_classes=10, **options
+        )
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            net.eval()(torch.randn(1, 4, 16, 16), torch.tensor([3]), torch.tensor([1]))
+        s = DiTShape.of(net)
+        attention = s.depth * 2 * s.tokens * s.tokens * s.qkv_dim
+        assert dit_macs(s) == counter.get_total_flops() // 2 + attention, options
+    assert shape_of("LightningDiT-XL/1").mlp_hidden == 3072 and shape_of("LightningDiT-XL/1").norm == "rmsnorm"
+
+
+@pytest.mark.parametrize(
+    "precision",
+    ["32-true", "bf16-mixed"],
+)
+def test_lightningdit_block_prediction_matches_the_measured_peak_of_a_real_step(precision):
+    """LightningDiT's published block (RMSNorm, SwiGLU, rope) end to end: one real CPU step of a
+    DiTModule against the planner."""
+    case = dict(batch=4, depth=2, hidden_size=64, num_heads=2, precision=precision)
+    options = dict(norm="rmsnorm", mlp="swiglu", pos_embed="rope")
+    measured, planned = _measured_and_planned(**options, **case)
+    assert planned.peak_allocated == pytest.approx(measured, rel=0.05), (planned.peak_phase, measured)
+    assert any("LightningDiT's block" in a for a in planned.assumptions)
+    with pytest.raises(ValueError, match="mlp='swish' is not a block option"):
+        PlanOptions(mlp="swish").param_counts()
