@@ -217,12 +217,13 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, image_root: str, s
             "--evaluation.metrics", "[]",
             *RECIPES[recipe],
         ]  # fmt: skip
-        bench_recipes.log(f"{recipe} seed {seed}: {shlex.join(cmd[2:])}")
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=args.workdir, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise SystemExit(f"{recipe} seed {seed} failed (exit {proc.returncode})")
+        if not os.path.exists(os.path.join(ckpts, f"step={args.steps}.ckpt")):  # else trained: only the scoring left
+            bench_recipes.log(f"{recipe} seed {seed}: {shlex.join(cmd[2:])}")
+            proc = subprocess.run(cmd, cwd=args.workdir, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+                raise SystemExit(f"{recipe} seed {seed} failed (exit {proc.returncode})")
         train_s = time.perf_counter() - t0
         curve = []
         for name in sorted(os.listdir(ckpts)):
@@ -257,7 +258,9 @@ def sample_grid(args: argparse.Namespace, recipes: list[str], seed: int, path: s
         rows.append(np.concatenate([load_png_rgb(found[i * 10 + d])[..., 0] for i in range(2) for d in range(10)], 1))
     if rows:
         grid = np.concatenate(rows, 0)
-        Image.fromarray(grid, mode="L").resize((grid.shape[1] * 2, grid.shape[0] * 2), Image.Resampling.NEAREST).save(path)
+        Image.fromarray(grid, mode="L").resize((grid.shape[1] * 2, grid.shape[0] * 2), Image.Resampling.NEAREST).save(
+            path
+        )
 
 
 def main() -> None:
@@ -300,7 +303,8 @@ def main() -> None:
             for recipe in args.recipes:
                 curves.setdefault(recipe, []).extend(run_one(args, recipe, seed, image_root, store, judge))
     rows, reach = bench_recipes.summarise(curves, METRICS, target="fd_classifier")
-    sample_grid(args, [r for r in args.recipes if r in curves], args.seeds[0], args.output + ".png")
+    curves = {r: c for r, c in curves.items() if c}  # without the runs another process is making
+    sample_grid(args, list(curves), args.seeds[0], args.output + ".png")
     report(args, judge, len(train), len(held_out), rows, reach, time.perf_counter() - t0)
 
 

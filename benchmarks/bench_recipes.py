@@ -10,6 +10,9 @@ Every recipe trains the demo network (configs/demo.yaml: the same model, batch, 
     flow-repa       flow-uniform + REPA: block 2 of 6 aligned (coefficient 0.5) with the patch
                     features of a small digits encoder trained once on the store's train split,
                     standing in for DINOv2 (which sees ImageNet, not 8x8 digits)
+    flow-lognorm-lightningdit
+                    flow-lognorm with LightningDiT's block at the same width: RMSNorm,
+                    SwiGLU feed-forward, 2D rotary position embedding
 
 Every ``--eval-every`` steps the run samples ``--num-samples`` digits (balanced over 0-9) from its
 EMA weights with its own sampler (DDPM ancestral for DDPM, SiT's SDE Euler for flow), ``--sample-steps``
@@ -21,6 +24,9 @@ Frechet distance (classifier space) reaches the DDPM baseline's final one.
 
     python benchmarks/bench_recipes.py                    # all recipes, 3 seeds, 1000 steps
     python benchmarks/bench_recipes.py --recipes ddpm flow-uniform --seeds 0
+
+``--keep-others`` adds the rows of the recipes not run now from the existing results csv (a new
+recipe joins the table without rerunning the others).
 
 Runs are resumable: each (recipe, seed) keeps its metrics under --workdir and is skipped when done;
 several processes may share the workdir (``OMP_NUM_THREADS=1``, one per core: faster than one process
@@ -60,6 +66,10 @@ RECIPES: dict[str, list[str]] = {
         "--model.objective", "flow",
         "--model.repa.encoder", REPA_ENCODER, "--model.repa.depth", "2", "--model.repa.coeff", "0.5",
         "--model.repa.projector_dim", "256",
+    ],
+    "flow-lognorm-lightningdit": [
+        "--model.objective", "flow", "--model.time_distribution", "logit_normal",
+        "--model.norm", "rmsnorm", "--model.mlp", "swiglu", "--model.pos_embed", "rope",
     ],
 }  # fmt: skip
 METRICS = ("digits_accuracy", "digits_fd_pixels", "digits_fd_svc")
@@ -187,15 +197,33 @@ def summarise(
                 row[m] = statistics.fmean(vals)
                 row[m + "_sd"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
             rows.append(row)
+    return rows, reached(rows, target)
+
+
+def reached(rows: list[dict], target: str = "digits_fd_svc") -> dict[str, Any]:
+    """The first step at which each recipe's mean ``target`` (lower is better) reaches DDPM's final
+    one (``reach["target"]``); None where it never does; empty without DDPM rows."""
     reach: dict[str, Any] = {}
     base = [r for r in rows if r["recipe"] == "ddpm"]
     if base:
         goal = max(base, key=lambda r: r["step"])[target]
         reach["target"] = goal
-        for recipe in curves:
+        for recipe in dict.fromkeys(r["recipe"] for r in rows):
             hit = [r["step"] for r in rows if r["recipe"] == recipe and r[target] <= goal]
             reach[recipe] = min(hit) if hit else None
-    return rows, reach
+    return reach
+
+
+def kept_rows(path: str, replaced: Sequence[str]) -> list[dict]:
+    """The summary rows of a results csv (``--output``'s) whose recipe is not in ``replaced``: the
+    recipes measured earlier, merged with those run now instead of being rerun."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r["recipe"] not in replaced]
+    return [
+        {k: v if k == "recipe" else int(v) if k in ("step", "seeds") else float(v) for k, v in r.items()} for r in rows
+    ]
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -238,6 +266,12 @@ def main() -> None:
     p.add_argument(
         "--report-only", action="store_true", help="summarise the runs already finished under --workdir, run nothing"
     )
+    p.add_argument(
+        "--keep-others",
+        action="store_true",
+        help="keep the rows of the recipes not in --recipes from the existing --output csv (measured earlier) "
+        "in the results, instead of dropping them",
+    )
     args = p.parse_args()
     curves: dict[str, list[dict]] = {}
     if args.report_only:
@@ -260,6 +294,14 @@ def main() -> None:
 def report(args: argparse.Namespace, rows: list[dict], reach: dict[str, Any], seconds: float) -> None:
     from dit_lightning.atomic import write_text
 
+    kept: list[str] = []
+    if args.keep_others:
+        earlier = kept_rows(args.output + ".csv", args.recipes)
+        kept = list(dict.fromkeys(r["recipe"] for r in earlier))
+        rows = earlier + rows
+        reach = reached(rows)
+        args.recipes = list(dict.fromkeys(r["recipe"] for r in rows))  # the command that makes the whole table
+
     cols = ["recipe", "step", "seeds"] + [c for m in METRICS for c in (m, m + "_sd")]
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols)
@@ -272,7 +314,12 @@ def report(args: argparse.Namespace, rows: list[dict], reach: dict[str, Any], se
         "",
         f"{dt.date.today().isoformat()}, {platform.processor() or platform.machine()} CPU, "
         f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}"
-        + (f"; {seconds / 60:.0f} min for the runs made now." if seconds else "; summarised from the finished runs."),
+        + (f"; {seconds / 60:.0f} min for the runs made now." if seconds else "; summarised from the finished runs.")
+        + (
+            f" The rows of {', '.join(kept)} are kept from the earlier table (its runs were not repeated)."
+            if kept
+            else ""
+        ),
         "",
         f"    python benchmarks/bench_recipes.py --recipes {' '.join(args.recipes)} --seeds "
         f"{' '.join(map(str, args.seeds))} --steps {args.steps} --eval-every {args.eval_every} "

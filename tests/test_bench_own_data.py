@@ -84,3 +84,18 @@ def test_cached_run_measures_once_and_summarise_reaches_the_ddpm_target(tmp_path
     assert by[("ddpm", 200)]["fd"] == 4.0 and by[("ddpm", 200)]["fd_sd"] == pytest.approx(2**0.5)
     assert by[("flow", 100)]["fd"] == 5.0 and by[("flow", 100)]["seeds"] == 2
     assert reach == {"target": 4.0, "ddpm": 200, "flow": 200}
+
+
+def test_kept_rows_read_back_the_recipes_not_rerun(tmp_path: Path) -> None:
+    out = tmp_path / "recipes.csv"
+    assert bench_recipes.kept_rows(str(out), ["ddpm"]) == []
+    out.write_text(
+        "recipe,step,seeds,digits_fd_svc,digits_fd_svc_sd\nddpm,100,3,5.5,0.5\nddpm,200,3,2.0,0.1\nnew,100,1,9.0,0.0\n"
+    )
+    rows = bench_recipes.kept_rows(str(out), ["new"])
+    assert rows == [
+        {"recipe": "ddpm", "step": 100, "seeds": 3, "digits_fd_svc": 5.5, "digits_fd_svc_sd": 0.5},
+        {"recipe": "ddpm", "step": 200, "seeds": 3, "digits_fd_svc": 2.0, "digits_fd_svc_sd": 0.1},
+    ]
+    new = [{"recipe": "new", "step": s, "seeds": 3, "digits_fd_svc": fd} for s, fd in ((100, 1.9), (200, 1.0))]
+    assert bench_recipes.reached(rows + new) == {"target": 2.0, "ddpm": 200, "new": 100}
