@@ -291,6 +291,14 @@ def main() -> None:
     report(args, rows, reach, time.perf_counter() - t0)
 
 
+def seeds_text(rows: list[dict]) -> str:
+    """ "3 seeds", or each recipe's count where they differ (a recipe added later with fewer runs)."""
+    counts = {r["recipe"]: r["seeds"] for r in rows if r["step"] == max(x["step"] for x in rows)}
+    if len(set(counts.values())) <= 1:
+        return f"{next(iter(counts.values()), 0)} seeds per recipe"
+    return "seeds per recipe: " + ", ".join(f"{n} for {recipe}" for recipe, n in counts.items())
+
+
 def report(args: argparse.Namespace, rows: list[dict], reach: dict[str, Any], seconds: float) -> None:
     from dit_lightning.atomic import write_text
 
@@ -300,7 +308,6 @@ def report(args: argparse.Namespace, rows: list[dict], reach: dict[str, Any], se
         kept = list(dict.fromkeys(r["recipe"] for r in earlier))
         rows = earlier + rows
         reach = reached(rows)
-        args.recipes = list(dict.fromkeys(r["recipe"] for r in rows))  # the command that makes the whole table
 
     cols = ["recipe", "step", "seeds"] + [c for m in METRICS for c in (m, m + "_sd")]
     buf = io.StringIO()
@@ -316,7 +323,7 @@ def report(args: argparse.Namespace, rows: list[dict], reach: dict[str, Any], se
         f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}"
         + (f"; {seconds / 60:.0f} min for the runs made now." if seconds else "; summarised from the finished runs.")
         + (
-            f" The rows of {', '.join(kept)} are kept from the earlier table (its runs were not repeated)."
+            f" The rows of {', '.join(kept)} are kept from the earlier table (the same settings, not rerun)."
             if kept
             else ""
         ),
@@ -326,7 +333,7 @@ def report(args: argparse.Namespace, rows: list[dict], reach: dict[str, Any], se
         f"--num-samples {args.num_samples} --sample-steps {args.sample_steps}",
         "",
         f"The demo network and recipe ({args.steps} steps, batch 128, AdamW 1e-3, EMA 0.999 with warm-up), "
-        f"{len(args.seeds)} seeds per recipe; every {args.eval_every} steps {args.num_samples} digits from the "
+        f"{seeds_text(rows)}; every {args.eval_every} steps {args.num_samples} digits from the "
         f"EMA weights ({args.sample_steps} sampling steps, cfg 2.0). Mean +- standard deviation over seeds. "
         "fd: Frechet distance (lower is better), in pixel space and in the independent classifier's space.",
         "",

@@ -99,3 +99,10 @@ def test_kept_rows_read_back_the_recipes_not_rerun(tmp_path: Path) -> None:
     ]
     new = [{"recipe": "new", "step": s, "seeds": 3, "digits_fd_svc": fd} for s, fd in ((100, 1.9), (200, 1.0))]
     assert bench_recipes.reached(rows + new) == {"target": 2.0, "ddpm": 200, "new": 100}
+
+
+def test_seeds_text_names_the_counts_that_differ() -> None:
+    rows = [{"recipe": "a", "step": 10, "seeds": 3}, {"recipe": "b", "step": 10, "seeds": 3}]
+    assert bench_recipes.seeds_text(rows) == "3 seeds per recipe"
+    rows.append({"recipe": "c", "step": 10, "seeds": 2})
+    assert bench_recipes.seeds_text(rows) == "seeds per recipe: 3 for a, 3 for b, 2 for c"
