@@ -20,7 +20,7 @@ from dit_lightning.latents import (
 )
 
 STATS = LatentTransform.channel_stats([0.5, -1.0, 2.0], [2.0, 0.25, 1.5], multiplier=0.7, samples=9)
-SHIFTED = LatentTransform.scaled(1.5035, 0.0609)  # SD3's VAE factors
+SHIFTED = LatentTransform.scaled(1.5305, 0.0609)  # SD3's VAE factors
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -28,7 +28,7 @@ def test_forward_and_inverse_follow_the_published_formulas(dtype):
     x = (torch.randn(2, 3, 4, 4, dtype=torch.float64) * 3 + 1).to(dtype)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype != torch.bfloat16 else {"atol": 0.1, "rtol": 0.02}
     # diffusers: (x - shift) * scale, decoded as z / scale + shift
-    torch.testing.assert_close(SHIFTED.forward(x), (x - 0.0609) * 1.5035, **tol)
+    torch.testing.assert_close(SHIFTED.forward(x), (x - 0.0609) * 1.5305, **tol)
     # LightningDiT: (x - mean) / std * multiplier, inverted as z / multiplier * std + mean
     mean = torch.tensor([0.5, -1.0, 2.0], dtype=dtype).view(1, 3, 1, 1)
     std = torch.tensor([2.0, 0.25, 1.5], dtype=dtype).view(1, 3, 1, 1)
@@ -60,7 +60,7 @@ def test_records_round_trip_through_json_and_compare():
         record = json.loads(json.dumps(t.record()))
         assert LatentTransform.from_record(record) == t
         assert t.difference(LatentTransform.from_record(record)) is None
-    assert "scale 1.5035, shift 0.0609 vs scale 1.5035" in SHIFTED.difference(LatentTransform.scaled(1.5035))
+    assert "scale 1.5305, shift 0.0609 vs scale 1.5305" in SHIFTED.difference(LatentTransform.scaled(1.5305))
     other = LatentTransform.channel_stats([0.5, -1.0, 2.0], [2.0, 0.26, 1.5], multiplier=0.7)
     assert "per-channel statistics of 3 channels" in STATS.difference(other)
     assert STATS.difference(LatentTransform.scaled(0.7)).startswith("per-channel")
