@@ -177,6 +177,23 @@ def test_a_run_on_another_transform_is_refused(env, tmp_path):
     )
 
 
+def test_a_teacher_of_another_transform_is_refused(env, tmp_path):
+    from dit_lightning.distill import DistillationModule
+
+    teacher = _module(env, "f16c16")
+    path = save_dit(teacher.model, tmp_path / "t.pt", ema=teacher.model, extra_args=dict(teacher.hparams))
+    s = st.LatentStore(env["stats"])
+    kw = dict(
+        model="custom", latent_shape=[16, 4, 4], num_classes=2, depth=1, hidden_size=16, num_heads=2, patch_size=1,
+        vae=s.spec.vae, scale_factor=s.scale_factor,
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError, match="latent transform: student per-channel statistics .* teacher scale 1.5, shift"
+    ):
+        DistillationModule(teacher=path, latent_transform=s.transform.record(), **kw)
+    DistillationModule(teacher=path, latent_transform=teacher.latent_transform.record(), **kw)  # the same: accepted
+
+
 @pytest.mark.parametrize("name,post_quant_conv", [("f16c16", True), ("stats", True), ("stats", False)])
 def test_diffusers_export_decodes_like_dit_lightning(env, tmp_path, name, post_quant_conv):
     """DiTPipeline decodes ``vae.decode(latents / vae.config.scaling_factor)``: the transform folded into
