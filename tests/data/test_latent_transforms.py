@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from dit_lightning.checkpoints import export_checkpoint, save_dit
+from dit_lightning.checkpoints import export_checkpoint, load_dit, save_dit
 from dit_lightning.data import store as st
 from dit_lightning.data.datamodule import LatentBatchDataset
 from dit_lightning.data.extract import extract_latents
 from dit_lightning.data.rng import NoiseKernel
-from dit_lightning.latents import ChannelMoments
+from dit_lightning.latents import ChannelMoments, LatentTransform
 from dit_lightning.module import DiTModule
 from dit_lightning.vae import load_vae
 from tests.helpers.vaes import make_vae
@@ -216,6 +216,10 @@ def test_diffusers_export_decodes_like_dit_lightning(env, tmp_path, name, post_q
     with torch.no_grad():
         theirs = ((exported.decode(z / exported.config.scaling_factor).sample + 1) / 2).clamp(0, 1)
     torch.testing.assert_close(theirs, module.decode(z), rtol=0, atol=1e-5)
+    # read back (`sample --checkpoint DIR`): the folded vae/ with scale 1 decodes the model's latents
+    loaded = load_dit(str(tmp_path / "diff"))
+    assert loaded.vae == str((tmp_path / "diff" / "vae").resolve())
+    assert loaded.latent_transform == LatentTransform.scaled(1.0)
 
 
 def test_cli_trains_resumes_and_samples_a_16_channel_f16_store_at_patch_size_1(env, tmp_path):
