@@ -16,7 +16,8 @@ Layout of a store directory::
 
 ``F`` is 2 with flips (index 0: the image, 1: its horizontal flip) and 1 without;
 ``K`` is 2 for the "moments" variant (0: posterior mean, 1: log-variance) and 1 for "sample".
-Values are stored unscaled; readers multiply by ``scale_factor``.
+Values are stored raw (the VAE's own latents); readers apply the store's latent transform
+(``latent_transform``, :mod:`dit_lightning.latents`; a store without one: ``scale_factor``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 
 from ..atomic import make_directory, save_npy, write_bytes, write_json
 from ..hashing import file_sha256
+from ..latents import ChannelMoments, LatentTransform, legacy_transform, stats_indices
 
 FORMAT_NAME = "dit-lightning-latent-store"
 FORMAT_VERSION = 1
@@ -85,6 +87,9 @@ class StoreSpec:
     preprocessing: str = "adm-center-crop"
     fingerprint: str = ""  # hash of the input list, so a resume on other inputs is refused
     extra: tuple[tuple[str, Any], ...] = ()
+    # the latent transform's record (dit_lightning.latents); None: a store from before it (read by
+    # vae / scale_factor). In plan.json a channel_stats plan has no statistics; meta.json has them.
+    latent_transform: Optional[Mapping[str, Any]] = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in _NP_DTYPES:
@@ -95,6 +100,16 @@ class StoreSpec:
             raise ValueError(f"latent_shape must be (C, H, W) with positive sizes, got {self.latent_shape}")
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
+        if self.latent_transform is not None:
+            object.__setattr__(self, "latent_transform", LatentTransform.from_record(self.latent_transform).record())
+
+    @property
+    def transform(self) -> LatentTransform:
+        """The latent transform readers apply (a store without a record: ``pixels`` for a pixel store,
+        else ``scale`` with its ``scale_factor``)."""
+        if self.latent_transform is not None:
+            return LatentTransform.from_record(self.latent_transform)
+        return legacy_transform(self.vae, self.scale_factor)
 
     @property
     def num_flips(self) -> int:
@@ -127,6 +142,8 @@ class StoreSpec:
         d["latent_shape"] = list(self.latent_shape)
         d["class_names"] = list(self.class_names)
         d["extra"] = dict(self.extra)
+        if self.latent_transform is None:
+            del d["latent_transform"]  # a store from before transforms were recorded reads the same
         return d
 
     @classmethod
@@ -582,6 +599,9 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
         "labels_file": LABELS_FILE,
         "labels_dtype": "int32",
     }
+    if not spec.transform.measured:
+        # measured from the committed shards, before the index exists: an incomplete store has none
+        meta["latent_transform"] = measure_transform(root, spec, records).record()
     for features in complete:
         meta[features.name] = features.to_json()
         for entry, r in zip(meta["shards"], records):
@@ -589,6 +609,37 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
             entry[f"{features.name}_bytes"] = r[features.name]["bytes"]
     write_json(os.path.join(root, META_FILE), meta, indent=1)
     return meta
+
+
+def measure_transform(root: PathLike, spec: StoreSpec, records: Sequence[Mapping[str, Any]]) -> LatentTransform:
+    """The planned ``channel_stats`` transform of a store with its statistics measured over the
+    committed shards by LightningDiT's rule (:func:`~dit_lightning.latents.stats_indices`: every
+    sample up to 10,000, else a seeded 10,000; unbiased std), on the unflipped posterior means (the
+    stored sample of a ``sample`` store): deterministic, so a resumed or refinalised store gets the
+    same numbers."""
+    import torch
+
+    root = os.fspath(root)
+    counts = [int(r["count"]) for r in records]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    chosen = np.asarray(stats_indices(int(offsets[-1])), dtype=np.int64)
+    if len(chosen) < 1:
+        raise StoreError(f"{root}: no sample to measure the latents' channel statistics on")
+    moments = ChannelMoments()
+    for k in range(len(records)):
+        rows = chosen[(chosen >= offsets[k]) & (chosen < offsets[k + 1])] - offsets[k]
+        if not len(rows):
+            continue
+        data = np.load(data_path(root, k), mmap_mode="r")
+        for start in range(0, len(rows), 1024):
+            part = np.ascontiguousarray(data[rows[start : start + 1024], 0, 0])
+            if spec.dtype == "bfloat16":
+                part = (part.astype(np.uint32) << 16).view(np.float32)
+            moments.update(torch.from_numpy(part.astype(np.float32)))
+        del data
+    mean, std = moments.result()
+    planned = spec.transform
+    return LatentTransform.channel_stats(mean, std, planned.multiplier, samples=len(chosen))
 
 
 def is_store(path: PathLike) -> bool:
@@ -855,6 +906,11 @@ class LatentStore:
     @property
     def scale_factor(self) -> float:
         return float(self.spec.scale_factor)
+
+    @property
+    def transform(self) -> LatentTransform:
+        """The latent transform its readers apply (raw latents -> the model's)."""
+        return self.spec.transform
 
     @property
     def variant(self) -> str:

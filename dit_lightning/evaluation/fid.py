@@ -351,7 +351,8 @@ def _store_batches(
         if vae is None:
             images = decode_latents(x, None)
         else:
-            images = decode_latents(x * store.scale_factor, vae, store.scale_factor)
+            # the raw latents as the model sees them (the store's transform), decoded as its samples are
+            images = decode_latents(store.transform.forward(x), vae, store.transform)
         yield to_uint8(images)
 
 
