@@ -98,17 +98,22 @@ def export_safetensors(ckpt: DiTCheckpoint, output: Union[str, Path], weights: W
 
 
 def _store_spec(ckpt: DiTCheckpoint, store: Optional[str]) -> Optional[Any]:
-    """The StoreSpec of ``store``, else of the store a Lightning checkpoint trained on (if it is here)."""
+    """The StoreSpec of ``store``, else of the store a Lightning checkpoint trained on (if it is here):
+    a finished store's (its ``meta.json``, where a ``channel_stats`` transform has its statistics),
+    else its plan's."""
     from ..data.digits import digits_spec
-    from ..data.store import StoreError, load_plan
+    from ..data.store import LatentStore, StoreError, is_store, load_plan
+
+    def read(path: str) -> Any:
+        return LatentStore(path).spec if is_store(path) else load_plan(path)
 
     if store is not None:
-        return load_plan(store)
+        return read(store)
     data = ckpt.meta.get("datamodule") or {}
     path = data.get("path")
     if isinstance(path, str) and os.path.isdir(path):
         try:
-            return load_plan(path)
+            return read(path)
         except StoreError:
             pass
     if data.get("prepare") == "digits":
@@ -304,7 +309,7 @@ def export_diffusers(
     # the checkpoint's latent transform, else its store's; unknown: the VAE keeps its own scaling_factor
     transform = transform_of(ckpt.args)
     if transform is None and spec is not None and not pixels:
-        transform = spec.transform if spec.latent_transform is not None else legacy_transform(vae_name, scale)
+        transform = spec.transform
     if transform is None and scale is not None and not pixels:
         transform = legacy_transform(vae_name, scale)
     ddpm = objective if isinstance(objective, DDPMObjective) else DDPMObjective()  # a raw file: DiT's
