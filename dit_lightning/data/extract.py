@@ -811,6 +811,11 @@ def extract_latents(
         raise ValueError(
             "--latent_multiplier applies to --latent_norm channel_stats; a scale store takes --scale_factor instead"
         )
+    if latent_norm == "channel_stats" and scale_factor is not None:
+        raise ValueError(
+            f"--scale_factor {scale_factor}: --scale_factor applies to --latent_norm scale; channel_stats measures "
+            "its own statistics (drop --scale_factor, or use --latent_multiplier)"
+        )
     if not (latent_multiplier > 0 and np.isfinite(latent_multiplier)):
         raise ValueError(f"--latent_multiplier must be a positive number, got {latent_multiplier}")
     if pixels and latent_norm != "scale":
@@ -838,6 +843,11 @@ def extract_latents(
             latent_shape = (int(channels), *old.latent_shape[1:])  # refused by write_plan, naming the field
         if not pixels:
             planned = old.transform
+            if planned.kind == "pixels":
+                raise st.StoreError(
+                    f"{output} already holds a pixel store (--vae none), asked --vae {vae}: choose another --output, "
+                    "or replace it with --overwrite true"
+                )
             if planned.kind != latent_norm:
                 raise st.StoreError(
                     f"{output} already holds a store planned with --latent_norm {planned.kind}, asked {latent_norm}: "
