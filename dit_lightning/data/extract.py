@@ -171,10 +171,12 @@ def pixel_store_spec(
     flips: bool = True,
     storage_dtype: Literal["float16", "bfloat16"] = "float16",
     shard_size: int = 1024,
+    listing: Optional[tuple[list[str], list[int], list[str]]] = None,
 ) -> st.StoreSpec:
     """The StoreSpec ``extract --vae none`` plans for these settings (known without writing the
-    store: the image list and, for ``channels="auto"``, the image headers are read)."""
-    paths, labels, classes = list_image_folder(image_root)
+    store: the image list and, for ``channels="auto"``, the image headers are read). ``listing``:
+    the folder's ``(paths, labels, classes)`` where the caller has read it (extract, after --limit)."""
+    paths, labels, classes = listing if listing is not None else list_image_folder(image_root)
     if not paths:
         raise FileNotFoundError(f"no images under {image_root} (extensions: jpg, jpeg, png, ...)")
     c = pixel_channels(image_root, paths, channels)
@@ -873,9 +875,11 @@ def extract_latents(
         transform = LatentTransform.channel_stats(multiplier=latent_multiplier).record()  # measured at the end
     elif transform is not None:
         transform = LatentTransform.scaled(sf, shift).record()
-    spec = st.write_plan(
-        output,
-        st.StoreSpec(
+    if pixels:  # the spec prepare: images announces, from the same listing
+        listing = (paths, labels, classes)
+        plan = pixel_store_spec(image_root, image_size, int(latent_shape[0]), flips, storage_dtype, shard_size, listing)
+    else:
+        plan = st.StoreSpec(
             latent_shape=latent_shape,
             dtype=storage_dtype,
             variant=variant,
@@ -888,10 +892,10 @@ def extract_latents(
             num_items=len(paths),
             shard_size=shard_size,
             fingerprint=_fingerprint(paths, labels),
-            extra=(("seed", int(seed)),) if variant == "sample" and not pixels else (),
+            extra=(("seed", int(seed)),) if variant == "sample" else (),
             latent_transform=transform,
-        ),
-    )
+        )
+    spec = st.write_plan(output, plan)
 
     done, missing = st.shard_status(output, spec)
     mine = [k for k in missing if k % world_size == rank]

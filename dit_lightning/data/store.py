@@ -632,6 +632,8 @@ def measure_transform(root: PathLike, spec: StoreSpec, records: Sequence[Mapping
     same numbers."""
     import torch
 
+    from .rng import to_float32
+
     root = os.fspath(root)
     counts = [int(r["count"]) for r in records]
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -646,9 +648,7 @@ def measure_transform(root: PathLike, spec: StoreSpec, records: Sequence[Mapping
         data = np.load(data_path(root, k), mmap_mode="r")
         for start in range(0, len(rows), 1024):
             part = np.ascontiguousarray(data[rows[start : start + 1024], 0, 0])
-            if spec.dtype == "bfloat16":
-                part = (part.astype(np.uint32) << 16).view(np.float32)
-            moments.update(torch.from_numpy(part.astype(np.float32)))
+            moments.update(torch.from_numpy(to_float32(part)))  # bfloat16 bits (uint16) too
         del data
     mean, std = moments.result()
     planned = spec.transform
