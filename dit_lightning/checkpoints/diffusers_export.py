@@ -8,13 +8,17 @@ A pipeline directory holds what ``DiTPipeline.from_pretrained(DIR)`` reads offli
 - ``scheduler/``: a diffusers scheduler with the model's training betas (DPM-Solver++ 2M by
   default; for a pixel-space model it clamps x0 to [-1, 1] as dit-lightning samples it);
 - ``vae/``: the store's VAE when it can be written offline (a local ``save_pretrained``
-  directory, or a hub id already in the Hugging Face cache), with the store's scale factor as
-  ``scaling_factor``; otherwise no ``vae/`` (``model_index.json`` has ``"vae": [null, null]``)
-  and README.md says what to pass as ``vae=`` (the hub id, or :class:`PixelDecoder` for a
-  pixel-space model);
+  directory, or a hub id already in the Hugging Face cache), made to invert the store's latent
+  transform in DiTPipeline's ``vae.decode(latents / scaling_factor)``: a plain scale as
+  ``scaling_factor``; a shift or per-channel statistics (``channel_stats``) folded into
+  ``post_quant_conv`` (one added where the VAE has none) with ``scaling_factor`` 1. Otherwise no
+  ``vae/`` (``model_index.json`` has ``"vae": [null, null]``) and README.md says what to pass as
+  ``vae=`` (the hub id, or :class:`PixelDecoder` for a pixel-space model);
 - ``model_index.json`` (with ``id2label`` when the store knows class names), ``README.md`` (how
   to load it, what diffusers computes differently) and ``dit_lightning.json`` (the VAE
-  reference, scale factor, noise schedule and source, for reading it back).
+  reference, scale factor, ``latent_transform`` and ``latent_transform_in_vae``: how ``vae/``
+  holds it, ``scaling_factor`` | ``post_quant_conv`` | ``unchanged``; noise schedule and source,
+  for reading it back).
 
 The directory is built next to ``output`` and renamed into place
 (:func:`~dit_lightning.atomic.replace_directory`), so a reader never sees half of it, and a kill
