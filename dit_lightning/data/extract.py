@@ -196,9 +196,12 @@ def pixel_store_spec(
     )
 
 
-def pixel_store_mismatch(spec: st.StoreSpec, image_root: str, image_size: int, channels: Channels) -> Optional[str]:
+def pixel_store_mismatch(
+    spec: st.StoreSpec, image_root: str, image_size: int, channels: Channels, flips: bool = False
+) -> Optional[str]:
     """What differs between a store and the pixel store of ``image_root`` at ``image_size`` (and
-    ``channels`` unless ``auto``), or None when the store is that one."""
+    ``channels`` unless ``auto``; with mirrored images where ``flips``), or None when the store is
+    that one (a store with mirrors serves a run without: it reads the unflipped images)."""
     if not is_pixel_space(spec.vae):
         return f"it holds latents of the VAE {spec.vae}, not pixels"
     if os.path.abspath(image_root) != spec.source:
@@ -212,6 +215,8 @@ def pixel_store_mismatch(spec: st.StoreSpec, image_root: str, image_size: int, c
         return f"its images are {spec.image_size} px, not {image_size}"
     if channels != "auto" and spec.latent_shape[0] != channels:
         return f"its images have {spec.latent_shape[0]} channel(s), not {channels}"
+    if flips and not spec.flips:  # it would train unflipped: random_flip has no mirror to pick
+        return "it holds no mirrored images (prepared with --data.random_flip false), and this run flips them"
     return None
 
 

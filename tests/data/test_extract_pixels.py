@@ -180,6 +180,12 @@ def test_prepare_images_writes_the_pixel_store_it_announced(folders, tmp_path, n
         ({"image_root": "colour", "image_size": 16}, st.StoreError, "made from"),
         ({"image_root": "grey", "image_size": 12}, st.StoreError, "16 px, not 12"),
         ({"image_root": "grey", "image_size": 16, "image_channels": 3}, st.StoreError, "1 channel"),
+        (
+            {"image_root": "grey", "image_size": 16, "random_flip": True},
+            st.StoreError,
+            r"--data.path .* no mirrored images \(prepared with --data.random_flip false\), and this run flips them. "
+            "Point --data.path at a directory of its own",
+        ),
         ({"image_root": "grey"}, ValueError, "--data.image_size"),
         ({"image_root": "nowhere", "image_size": 16}, FileNotFoundError, "nowhere"),
     ],
