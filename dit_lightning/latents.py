@@ -255,14 +255,20 @@ def legacy_transform(vae: Optional[str], scale_factor: Optional[float]) -> Laten
 def transform_of(settings: Mapping[str, Any]) -> Optional[LatentTransform]:
     """The transform a record of settings (a store's ``meta.json``, a checkpoint's hyper-parameters)
     holds: its ``latent_transform`` record, else the legacy reading of its ``vae`` / ``scale_factor``;
-    None when it records neither (a released raw state dict, a run that named no VAE)."""
+    None when it does not say (a released raw state dict, a run that named no VAE, a VAE without its
+    ``scale_factor``: the caller falls back to what it knows, the store's or the default factor)."""
     record = settings.get("latent_transform")
     if isinstance(record, Mapping):
         return LatentTransform.from_record(record)
     vae = settings.get("vae")
     if not isinstance(vae, str) or not vae:
         return None  # a run that named no VAE: its data said what it was, the record does not
-    return legacy_transform(vae, settings.get("scale_factor"))
+    if vae.startswith("none"):
+        return LatentTransform.pixels()  # a pixel store has no factor to record
+    scale = settings.get("scale_factor")
+    if scale is None and vae in ("ema", "mse"):
+        scale = 0.18215  # the reference DiT's args (--vae ema|mse): its SD VAEs at its fixed factor
+    return LatentTransform.scaled(float(scale)) if scale is not None else None
 
 
 def stats_indices(count: int, max_samples: int = STATS_MAX_SAMPLES, seed: int = STATS_SEED) -> list[int]:

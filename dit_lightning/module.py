@@ -42,7 +42,7 @@ from .diffusion.gaussian_diffusion import ModelFn
 from .distributed.ops import clip_gradients, ema_update_, first_failed_rank, grad_norm, no_sync
 from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_uniform, sample_keys
-from .latents import LatentTransform, legacy_transform, transform_of
+from .latents import LatentTransform, transform_of
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import AttentionBackend, CheckpointSpec, MlpKind, NormKind, PosEmbedKind, attention_kernel
 from .models.repa import REPAOptions
@@ -124,8 +124,8 @@ class DiTModule(L.LightningModule):
             the data module and kept in the checkpoint (older readers and the reference export read it).
         latent_transform: the record of the store's latent transform (``pixels``, ``scale`` with a
             shift, ``channel_stats``; docs/data.md), linked from the data module and kept in the
-            checkpoint, so :meth:`decode` inverts it anywhere; unset: ``scale`` with ``scale_factor``
-            (``pixels`` for a pixel store).
+            checkpoint, so :meth:`decode` inverts it anywhere; unset: read from ``vae`` and
+            ``scale_factor`` (:attr:`latent_transform`; unknown while neither says).
         objective: "ddpm" (the paper's Gaussian diffusion, epsilon prediction, hybrid loss) or "flow"
             (flow matching with SiT's stochastic interpolants; docs/recipes.md). A flow model
             predicts no variance (``learn_sigma`` is set to false) and samples with the flow
@@ -360,10 +360,11 @@ class DiTModule(L.LightningModule):
         )
 
     @property
-    def latent_transform(self) -> LatentTransform:
+    def latent_transform(self) -> Optional[LatentTransform]:
         """The latent transform of the latents this model makes (the store's): its record
-        (``latent_transform``), else the trainer's data module's, else ``scale`` with ``scale_factor``
-        (0.18215 unset), or ``pixels`` for a pixel store."""
+        (``latent_transform``), else the trainer's data module's, else the legacy reading of ``vae`` /
+        ``scale_factor`` (:func:`~dit_lightning.latents.transform_of`); None when unknown (no VAE or
+        no factor named, no data module yet: a module built in Python before ``fit``)."""
         record = self.hparams.get("latent_transform")
         if record:
             return LatentTransform.from_record(record)
@@ -372,15 +373,16 @@ class DiTModule(L.LightningModule):
         record = getattr(data, "latent_transform", None)
         if record:
             return LatentTransform.from_record(record)
-        scale = self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
-        return legacy_transform(self.hparams.get("vae"), scale)
+        scale = self.hparams.get("scale_factor") or getattr(data, "scale_factor", None)
+        return transform_of({"vae": self.hparams.get("vae"), "scale_factor": scale})
 
     def _check_transform(self, theirs: Optional[LatentTransform], source: str) -> None:
         """Weights trained on latents of another transform would see differently scaled (or shifted)
-        data here: refused with both transforms named. A file that records none is not checked."""
-        if theirs is None:
-            return
+        data here: refused with both transforms named. A file that records none, or a module that
+        knows none yet, is not checked."""
         mine = self.latent_transform
+        if theirs is None or mine is None:
+            return
         if mine.difference(theirs):
             raise ValueError(
                 f"{source} was trained on latents of another latent transform ({theirs.describe()}) than this "
@@ -688,4 +690,6 @@ class DiTModule(L.LightningModule):
         if name not in self._decoder_cache:
             self._decoder_cache[name] = load_vae(name)
         vae = self._decoder_cache[name].to(latents.device)
-        return decode_latents(latents, vae, self.latent_transform if transform is None else transform)
+        if transform is None:  # unknown (a VAE named without its factor): DiT's SD-VAE factor
+            transform = self.latent_transform or DEFAULT_SCALE_FACTOR
+        return decode_latents(latents, vae, transform)

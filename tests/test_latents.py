@@ -90,6 +90,9 @@ def test_legacy_records_read_as_scale_or_pixels():
     assert transform_of({"vae": "ema", "model": "DiT-XL/2"}) == LatentTransform.scaled(0.18215)  # reference args
     assert transform_of({"vae": "/v", "scale_factor": 0.5}) == LatentTransform.scaled(0.5)
     assert transform_of({"vae": None, "scale_factor": None}) is None  # a run that named no VAE
+    # a VAE without its factor does not say which (SDXL's is 0.13025): unknown, not DiT's 0.18215
+    assert transform_of({"vae": "stabilityai/sdxl-vae"}) is None
+    assert transform_of({"vae": "none/pixels"}) == LatentTransform.pixels()
     assert transform_of({}) is None  # a released raw state dict
     assert transform_of({"vae": "/v", "scale_factor": 0.5, "latent_transform": STATS.record()}) == STATS
 

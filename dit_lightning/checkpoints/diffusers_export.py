@@ -8,13 +8,17 @@ A pipeline directory holds what ``DiTPipeline.from_pretrained(DIR)`` reads offli
 - ``scheduler/``: a diffusers scheduler with the model's training betas (DPM-Solver++ 2M by
   default; for a pixel-space model it clamps x0 to [-1, 1] as dit-lightning samples it);
 - ``vae/``: the store's VAE when it can be written offline (a local ``save_pretrained``
-  directory, or a hub id already in the Hugging Face cache), with the store's scale factor as
-  ``scaling_factor``; otherwise no ``vae/`` (``model_index.json`` has ``"vae": [null, null]``)
-  and README.md says what to pass as ``vae=`` (the hub id, or :class:`PixelDecoder` for a
-  pixel-space model);
+  directory, or a hub id already in the Hugging Face cache), made to invert the store's latent
+  transform in DiTPipeline's ``vae.decode(latents / scaling_factor)``: a plain scale as
+  ``scaling_factor``; a shift or per-channel statistics (``channel_stats``) folded into
+  ``post_quant_conv`` (one added where the VAE has none) with ``scaling_factor`` 1. Otherwise no
+  ``vae/`` (``model_index.json`` has ``"vae": [null, null]``) and README.md says what to pass as
+  ``vae=`` (the hub id, or :class:`PixelDecoder` for a pixel-space model);
 - ``model_index.json`` (with ``id2label`` when the store knows class names), ``README.md`` (how
   to load it, what diffusers computes differently) and ``dit_lightning.json`` (the VAE
-  reference, scale factor, noise schedule and source, for reading it back).
+  reference, scale factor, ``latent_transform`` and ``latent_transform_in_vae``: how ``vae/``
+  holds it, ``scaling_factor`` | ``post_quant_conv`` | ``unchanged``; noise schedule and source,
+  for reading it back).
 
 The directory is built next to ``output`` and renamed into place
 (:func:`~dit_lightning.atomic.replace_directory`), so a reader never sees half of it, and a kill
@@ -98,17 +102,22 @@ def export_safetensors(ckpt: DiTCheckpoint, output: Union[str, Path], weights: W
 
 
 def _store_spec(ckpt: DiTCheckpoint, store: Optional[str]) -> Optional[Any]:
-    """The StoreSpec of ``store``, else of the store a Lightning checkpoint trained on (if it is here)."""
+    """The StoreSpec of ``store``, else of the store a Lightning checkpoint trained on (if it is here):
+    a finished store's (its ``meta.json``, where a ``channel_stats`` transform has its statistics),
+    else its plan's."""
     from ..data.digits import digits_spec
-    from ..data.store import StoreError, load_plan
+    from ..data.store import LatentStore, StoreError, is_store, load_plan
+
+    def read(path: str) -> Any:
+        return LatentStore(path).spec if is_store(path) else load_plan(path)
 
     if store is not None:
-        return load_plan(store)
+        return read(store)
     data = ckpt.meta.get("datamodule") or {}
     path = data.get("path")
     if isinstance(path, str) and os.path.isdir(path):
         try:
-            return load_plan(path)
+            return read(path)
         except StoreError:
             pass
     if data.get("prepare") == "digits":
@@ -304,7 +313,7 @@ def export_diffusers(
     # the checkpoint's latent transform, else its store's; unknown: the VAE keeps its own scaling_factor
     transform = transform_of(ckpt.args)
     if transform is None and spec is not None and not pixels:
-        transform = spec.transform if spec.latent_transform is not None else legacy_transform(vae_name, scale)
+        transform = spec.transform
     if transform is None and scale is not None and not pixels:
         transform = legacy_transform(vae_name, scale)
     ddpm = objective if isinstance(objective, DDPMObjective) else DDPMObjective()  # a raw file: DiT's

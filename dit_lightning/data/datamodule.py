@@ -699,7 +699,7 @@ class LatentDataModule(L.LightningDataModule):
         """Refuse a store at ``path`` (whole, or planned by a preparation that stopped) that is not the
         pixel store of ``image_root`` at ``image_size``."""
         assert self.image_root is not None and self.image_size is not None
-        why = pixel_store_mismatch(spec, self.image_root, self.image_size, self.image_channels)
+        why = pixel_store_mismatch(spec, self.image_root, self.image_size, self.image_channels, self.random_flip)
         if why is not None:
             raise st.StoreError(
                 f"--data.path {self.path} holds another store than the pixels of --data.image_root "

@@ -171,10 +171,12 @@ def pixel_store_spec(
     flips: bool = True,
     storage_dtype: Literal["float16", "bfloat16"] = "float16",
     shard_size: int = 1024,
+    listing: Optional[tuple[list[str], list[int], list[str]]] = None,
 ) -> st.StoreSpec:
     """The StoreSpec ``extract --vae none`` plans for these settings (known without writing the
-    store: the image list and, for ``channels="auto"``, the image headers are read)."""
-    paths, labels, classes = list_image_folder(image_root)
+    store: the image list and, for ``channels="auto"``, the image headers are read). ``listing``:
+    the folder's ``(paths, labels, classes)`` where the caller has read it (extract, after --limit)."""
+    paths, labels, classes = listing if listing is not None else list_image_folder(image_root)
     if not paths:
         raise FileNotFoundError(f"no images under {image_root} (extensions: jpg, jpeg, png, ...)")
     c = pixel_channels(image_root, paths, channels)
@@ -194,9 +196,12 @@ def pixel_store_spec(
     )
 
 
-def pixel_store_mismatch(spec: st.StoreSpec, image_root: str, image_size: int, channels: Channels) -> Optional[str]:
+def pixel_store_mismatch(
+    spec: st.StoreSpec, image_root: str, image_size: int, channels: Channels, flips: bool = False
+) -> Optional[str]:
     """What differs between a store and the pixel store of ``image_root`` at ``image_size`` (and
-    ``channels`` unless ``auto``), or None when the store is that one."""
+    ``channels`` unless ``auto``; with mirrored images where ``flips``), or None when the store is
+    that one (a store with mirrors serves a run without: it reads the unflipped images)."""
     if not is_pixel_space(spec.vae):
         return f"it holds latents of the VAE {spec.vae}, not pixels"
     if os.path.abspath(image_root) != spec.source:
@@ -210,6 +215,8 @@ def pixel_store_mismatch(spec: st.StoreSpec, image_root: str, image_size: int, c
         return f"its images are {spec.image_size} px, not {image_size}"
     if channels != "auto" and spec.latent_shape[0] != channels:
         return f"its images have {spec.latent_shape[0]} channel(s), not {channels}"
+    if flips and not spec.flips:  # it would train unflipped: random_flip has no mirror to pick
+        return "it holds no mirrored images (prepared with --data.random_flip false), and this run flips them"
     return None
 
 
@@ -811,6 +818,11 @@ def extract_latents(
         raise ValueError(
             "--latent_multiplier applies to --latent_norm channel_stats; a scale store takes --scale_factor instead"
         )
+    if latent_norm == "channel_stats" and scale_factor is not None:
+        raise ValueError(
+            f"--scale_factor {scale_factor}: --scale_factor applies to --latent_norm scale; channel_stats measures "
+            "its own statistics (drop --scale_factor, or use --latent_multiplier)"
+        )
     if not (latent_multiplier > 0 and np.isfinite(latent_multiplier)):
         raise ValueError(f"--latent_multiplier must be a positive number, got {latent_multiplier}")
     if pixels and latent_norm != "scale":
@@ -838,6 +850,11 @@ def extract_latents(
             latent_shape = (int(channels), *old.latent_shape[1:])  # refused by write_plan, naming the field
         if not pixels:
             planned = old.transform
+            if planned.kind == "pixels":
+                raise st.StoreError(
+                    f"{output} already holds a pixel store (--vae none), asked --vae {vae}: choose another --output, "
+                    "or replace it with --overwrite true"
+                )
             if planned.kind != latent_norm:
                 raise st.StoreError(
                     f"{output} already holds a store planned with --latent_norm {planned.kind}, asked {latent_norm}: "
@@ -863,9 +880,11 @@ def extract_latents(
         transform = LatentTransform.channel_stats(multiplier=latent_multiplier).record()  # measured at the end
     elif transform is not None:
         transform = LatentTransform.scaled(sf, shift).record()
-    spec = st.write_plan(
-        output,
-        st.StoreSpec(
+    if pixels:  # the spec prepare: images announces, from the same listing
+        listing = (paths, labels, classes)
+        plan = pixel_store_spec(image_root, image_size, int(latent_shape[0]), flips, storage_dtype, shard_size, listing)
+    else:
+        plan = st.StoreSpec(
             latent_shape=latent_shape,
             dtype=storage_dtype,
             variant=variant,
@@ -878,10 +897,10 @@ def extract_latents(
             num_items=len(paths),
             shard_size=shard_size,
             fingerprint=_fingerprint(paths, labels),
-            extra=(("seed", int(seed)),) if variant == "sample" and not pixels else (),
+            extra=(("seed", int(seed)),) if variant == "sample" else (),
             latent_transform=transform,
-        ),
-    )
+        )
+    spec = st.write_plan(output, plan)
 
     done, missing = st.shard_status(output, spec)
     mine = [k for k in missing if k % world_size == rank]

@@ -37,7 +37,11 @@ from ..hashing import file_sha256
 from ..latents import ChannelMoments, LatentTransform, legacy_transform, stats_indices
 
 FORMAT_NAME = "dit-lightning-latent-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version written; readers take every one of READ_VERSIONS
+# Version 2 marks a store whose latents are not ``raw x scale_factor`` (per-channel statistics, or a
+# shift): readers of version 1 ignore the latent_transform record and would misread them, so they
+# refuse it. Every other store (a plain scale, pixels) is still written as version 1, as before.
+READ_VERSIONS = (1, 2)
 META_FILE = "meta.json"
 PLAN_FILE = "plan.json"
 LABELS_FILE = "labels.npy"
@@ -110,6 +114,14 @@ class StoreSpec:
         if self.latent_transform is not None:
             return LatentTransform.from_record(self.latent_transform)
         return legacy_transform(self.vae, self.scale_factor)
+
+    @property
+    def format_version(self) -> int:
+        """The store format version this spec is written with: 2 when the latents are not the VAE's
+        ``x scale_factor`` (``channel_stats``, or a ``scale`` with a shift), which a reader of
+        version 1 would misread; else 1, byte for byte the files such readers read right."""
+        t = self.transform
+        return 2 if t.kind == "channel_stats" or (t.kind == "scale" and t.shift) else 1
 
     @property
     def num_flips(self) -> int:
@@ -320,7 +332,7 @@ def write_plan(root: PathLike, spec: StoreSpec) -> StoreSpec:
             )
         return old
     make_directory(os.path.join(root, SHARD_DIR))
-    write_json(path, {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **spec.to_json()}, indent=1)
+    write_json(path, {"format": FORMAT_NAME, "format_version": spec.format_version, **spec.to_json()}, indent=1)
     return spec
 
 
@@ -371,9 +383,10 @@ def load_plan(root: PathLike) -> StoreSpec:
 def _check_format(d: dict[str, Any], path: str) -> None:
     if d.get("format") != FORMAT_NAME:
         raise StoreError(f"{path} is not a {FORMAT_NAME} file (format={d.get('format')!r})")
-    if int(d.get("format_version", -1)) != FORMAT_VERSION:
+    if d.get("format_version") not in READ_VERSIONS:
+        readable = " and ".join(str(v) for v in READ_VERSIONS)
         raise StoreError(
-            f"{path} has format_version {d.get('format_version')}, this code reads version {FORMAT_VERSION}: "
+            f"{path} has format_version {d.get('format_version')}, this code reads versions {readable}: "
             "re-extract the store or use the matching dit-lightning version"
         )
 
@@ -584,7 +597,7 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
             complete.append(features)
     meta = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": spec.format_version,
         **spec.to_json(),
         "count": count,
         "num_classes": len(spec.class_names),
@@ -619,6 +632,8 @@ def measure_transform(root: PathLike, spec: StoreSpec, records: Sequence[Mapping
     same numbers."""
     import torch
 
+    from .rng import to_float32
+
     root = os.fspath(root)
     counts = [int(r["count"]) for r in records]
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -633,9 +648,7 @@ def measure_transform(root: PathLike, spec: StoreSpec, records: Sequence[Mapping
         data = np.load(data_path(root, k), mmap_mode="r")
         for start in range(0, len(rows), 1024):
             part = np.ascontiguousarray(data[rows[start : start + 1024], 0, 0])
-            if spec.dtype == "bfloat16":
-                part = (part.astype(np.uint32) << 16).view(np.float32)
-            moments.update(torch.from_numpy(part.astype(np.float32)))
+            moments.update(torch.from_numpy(to_float32(part)))  # bfloat16 bits (uint16) too
         del data
     mean, std = moments.result()
     planned = spec.transform

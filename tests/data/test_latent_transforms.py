@@ -222,6 +222,55 @@ def test_diffusers_export_decodes_like_dit_lightning(env, tmp_path, name, post_q
     assert loaded.latent_transform == LatentTransform.scaled(1.0)
 
 
+@pytest.mark.parametrize("name,names_vae", [("stats", False), ("stats", True), ("f16c16", True)])
+def test_diffusers_export_of_a_file_without_a_transform_takes_the_stores(env, tmp_path, name, names_vae):
+    """A file that records no transform (no VAE, or a VAE without its factor) exported with store=:
+    the store's transform (a channel_stats store's statistics are in meta.json, not in its plan),
+    never an invented 0.18215; the export's record agrees with itself."""
+    module = _module(env, name)
+    path = save_dit(module.model, tmp_path / "m.pt", extra_args={"vae": env["vae16"]} if names_vae else None)
+    report = export_checkpoint(path, str(tmp_path / "d"), format="diffusers", store=env[name], vae=env["vae16"])
+    store = st.LatentStore(env[name])
+    assert report["latent_transform"] == store.transform.record() and report["scale_factor"] == store.scale_factor
+    assert report["latent_transform_in_vae"] == "post_quant_conv" and report["vae_status"] == "included"
+
+
+def test_stores_older_readers_would_misread_are_format_version_2(env):
+    """Readers of version 1 ignore latent_transform and read latents x scale_factor: a channel_stats or a
+    shifted store is version 2 (which they refuse); a plain scale store stays version 1."""
+    for name, version in (("f8c4", 1), ("f16c16", 2), ("stats", 2)):
+        for file in (st.PLAN_FILE, st.META_FILE):
+            assert json.loads(open(os.path.join(env[name], file)).read())["format_version"] == version, (name, file)
+        assert st.LatentStore(env[name]).spec.format_version == version
+    meta = os.path.join(env["root"], "v3", st.META_FILE)
+    os.makedirs(os.path.dirname(meta))
+    record = json.loads(open(os.path.join(env["stats"], st.META_FILE)).read())
+    with open(meta, "w") as f:
+        json.dump({**record, "format_version": 3}, f)
+    with pytest.raises(st.StoreError, match="has format_version 3, this code reads versions 1 and 2: re-extract"):
+        st.LatentStore(os.path.dirname(meta))
+
+
+def test_a_module_that_knows_no_transform_yet_takes_any_checkpoint(env, tmp_path):
+    """Built in Python without vae / latent_transform (no data module before fit), the module's transform
+    is unknown, not pixels: init_from a latent checkpoint loads; a real pixel module still refuses it."""
+    scaled = _module(env, "f16c16")
+    path = save_dit(scaled.model, tmp_path / "s.pt", extra_args=dict(scaled.hparams))
+    kw = dict(
+        model="custom", latent_shape=[16, 4, 4], num_classes=2, depth=1, hidden_size=16, num_heads=2, patch_size=1
+    )
+    bare = DiTModule(init_from=path, **kw)
+    assert bare.latent_transform is None
+    assert torch.equal(bare.model.x_embedder.proj.weight, scaled.model.x_embedder.proj.weight)
+    assert DiTModule(vae=env["vae16"], **kw).latent_transform is None  # a VAE without its factor: unknown too
+    with pytest.raises(
+        ValueError, match=r"another latent transform \(scale 1.5, shift 0.3\) than this run's store \(pix"
+    ):
+        DiTModule(init_from=path, vae="none/pixels", **kw)
+    z = torch.rand(1, 16, 4, 4) * 2 - 1
+    torch.testing.assert_close(bare.decode(z), (z + 1) / 2)  # no VAE: decoded as pixels
+
+
 def test_cli_trains_resumes_and_samples_a_16_channel_f16_store_at_patch_size_1(env, tmp_path):
     """The one subprocess chain: fit 2 steps on the 16x4x4 store (patch size 1: 16 tokens), resume
     to 3, sample through `dit-lightning sample`: the shift travels store -> checkpoint -> decode."""
