@@ -10,6 +10,9 @@ Every recipe trains the demo network (configs/demo.yaml: the same model, batch, 
     flow-repa       flow-uniform + REPA: block 2 of 6 aligned (coefficient 0.5) with the patch
                     features of a small digits encoder trained once on the store's train split,
                     standing in for DINOv2 (which sees ImageNet, not 8x8 digits)
+    flow-lognorm-lightningdit
+                    flow-lognorm with LightningDiT's block at the same width: RMSNorm,
+                    SwiGLU feed-forward, 2D rotary position embedding
 
 Every ``--eval-every`` steps the run samples ``--num-samples`` digits (balanced over 0-9) from its
 EMA weights with its own sampler (DDPM ancestral for DDPM, SiT's SDE Euler for flow), ``--sample-steps``
@@ -21,6 +24,9 @@ Frechet distance (classifier space) reaches the DDPM baseline's final one.
 
     python benchmarks/bench_recipes.py                    # all recipes, 3 seeds, 1000 steps
     python benchmarks/bench_recipes.py --recipes ddpm flow-uniform --seeds 0
+
+``--keep-others`` adds the rows of the recipes not run now from the existing results csv (a new
+recipe joins the table without rerunning the others).
 
 Runs are resumable: each (recipe, seed) keeps its metrics under --workdir and is skipped when done;
 several processes may share the workdir (``OMP_NUM_THREADS=1``, one per core: faster than one process
@@ -44,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +66,10 @@ RECIPES: dict[str, list[str]] = {
         "--model.objective", "flow",
         "--model.repa.encoder", REPA_ENCODER, "--model.repa.depth", "2", "--model.repa.coeff", "0.5",
         "--model.repa.projector_dim", "256",
+    ],
+    "flow-lognorm-lightningdit": [
+        "--model.objective", "flow", "--model.time_distribution", "logit_normal",
+        "--model.norm", "rmsnorm", "--model.mlp", "swiglu", "--model.pos_embed", "rope",
     ],
 }  # fmt: skip
 METRICS = ("digits_accuracy", "digits_fd_pixels", "digits_fd_svc")
@@ -89,9 +100,9 @@ def train_encoder(workdir: str, store: str) -> str:
     return write_digits_encoder(store, os.path.join(workdir, "digits_encoder.pt"))
 
 
-def run_one(args: argparse.Namespace, recipe: str, seed: int, store: str, encoder: Optional[str]) -> list[dict]:
-    """One training run; its metrics at every evaluation (cached in the run's directory)."""
-    run_dir = os.path.join(args.workdir, f"{recipe}-seed{seed}")
+def cached_run(run_dir: str, make: Callable[[], list[dict]]) -> list[dict]:
+    """A run's metrics: those ``make`` measured once (kept in ``run_dir/curve.json``), or none when
+    another process sharing the workdir has claimed the run."""
     done = os.path.join(run_dir, "curve.json")
     if os.path.exists(done):
         with open(done) as f:
@@ -99,8 +110,37 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, store: str, encode
     try:  # several benchmark processes may share a workdir (e.g. one per core): each run is made once
         os.makedirs(run_dir + ".claimed")
     except FileExistsError:
-        log(f"{recipe} seed {seed}: made by another process")
+        log(f"{os.path.basename(run_dir)}: made by another process")
         return []
+    curve = make()
+    os.makedirs(run_dir, exist_ok=True)
+    with open(done + ".tmp", "w") as f:
+        json.dump(curve, f)
+    os.replace(done + ".tmp", done)
+    return curve
+
+
+def finished_curves(workdir: str, recipes: list[str], seeds: list[int]) -> dict[str, list[dict]]:
+    """The metrics of the runs already finished under ``workdir``, by recipe."""
+    curves: dict[str, list[dict]] = {}
+    for recipe in recipes:
+        for seed in seeds:
+            done = os.path.join(workdir, f"{recipe}-seed{seed}", "curve.json")
+            if os.path.exists(done):
+                with open(done) as f:
+                    curves.setdefault(recipe, []).extend(json.load(f))
+    return curves
+
+
+def run_one(args: argparse.Namespace, recipe: str, seed: int, store: str, encoder: Optional[str]) -> list[dict]:
+    """One training run; its metrics at every evaluation (cached in the run's directory)."""
+    return cached_run(
+        os.path.join(args.workdir, f"{recipe}-seed{seed}"), lambda: train(args, recipe, seed, store, encoder)
+    )
+
+
+def train(args: argparse.Namespace, recipe: str, seed: int, store: str, encoder: Optional[str]) -> list[dict]:
+    run_dir = os.path.join(args.workdir, f"{recipe}-seed{seed}")
     extra = list(RECIPES[recipe])
     if recipe == "flow-repa":
         extra += ["--model.repa.weights", str(encoder)]
@@ -127,9 +167,6 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, store: str, encode
     for row in curve:
         row.update(recipe=recipe, seed=seed)
     log(f"{recipe} seed {seed}: {time.perf_counter() - t0:.0f} s, final {curve[-1]}")
-    with open(done + ".tmp", "w") as f:
-        json.dump(curve, f)
-    os.replace(done + ".tmp", done)
     return curve
 
 
@@ -145,26 +182,48 @@ def read_curve(path: str) -> list[dict]:
     return [{"step": s, **by_step[s]} for s in sorted(by_step)]
 
 
-def summarise(curves: dict[str, list[dict]]) -> tuple[list[dict], dict[str, Any]]:
+def summarise(
+    curves: dict[str, list[dict]], metrics: Sequence[str] = METRICS, target: str = "digits_fd_svc"
+) -> tuple[list[dict], dict[str, Any]]:
+    """Mean and sd over seeds of each recipe's ``metrics`` at every step, and the first step at which
+    each recipe's mean ``target`` (lower is better) reaches DDPM's final one."""
     rows = []
     for recipe, points in curves.items():
         for step in sorted({p["step"] for p in points}):
             at = [p for p in points if p["step"] == step]
             row: dict[str, Any] = {"recipe": recipe, "step": step, "seeds": len(at)}
-            for m in METRICS:
+            for m in metrics:
                 vals = [p[m] for p in at]
                 row[m] = statistics.fmean(vals)
                 row[m + "_sd"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
             rows.append(row)
+    return rows, reached(rows, target)
+
+
+def reached(rows: list[dict], target: str = "digits_fd_svc") -> dict[str, Any]:
+    """The first step at which each recipe's mean ``target`` (lower is better) reaches DDPM's final
+    one (``reach["target"]``); None where it never does; empty without DDPM rows."""
     reach: dict[str, Any] = {}
     base = [r for r in rows if r["recipe"] == "ddpm"]
     if base:
-        target = max(base, key=lambda r: r["step"])["digits_fd_svc"]
-        reach["target"] = target
-        for recipe in curves:
-            hit = [r["step"] for r in rows if r["recipe"] == recipe and r["digits_fd_svc"] <= target]
+        goal = max(base, key=lambda r: r["step"])[target]
+        reach["target"] = goal
+        for recipe in dict.fromkeys(r["recipe"] for r in rows):
+            hit = [r["step"] for r in rows if r["recipe"] == recipe and r[target] <= goal]
             reach[recipe] = min(hit) if hit else None
-    return rows, reach
+    return reach
+
+
+def kept_rows(path: str, replaced: Sequence[str]) -> list[dict]:
+    """The summary rows of a results csv (``--output``'s) whose recipe is not in ``replaced``: the
+    recipes measured earlier, merged with those run now instead of being rerun."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r["recipe"] not in replaced]
+    return [
+        {k: v if k == "recipe" else int(v) if k in ("step", "seeds") else float(v) for k, v in r.items()} for r in rows
+    ]
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -207,15 +266,16 @@ def main() -> None:
     p.add_argument(
         "--report-only", action="store_true", help="summarise the runs already finished under --workdir, run nothing"
     )
+    p.add_argument(
+        "--keep-others",
+        action="store_true",
+        help="keep the rows of the recipes not in --recipes from the existing --output csv (measured earlier) "
+        "in the results, instead of dropping them",
+    )
     args = p.parse_args()
     curves: dict[str, list[dict]] = {}
     if args.report_only:
-        for recipe in args.recipes:
-            for seed in args.seeds:
-                done = os.path.join(args.workdir, f"{recipe}-seed{seed}", "curve.json")
-                if os.path.exists(done):
-                    with open(done) as f:
-                        curves.setdefault(recipe, []).extend(json.load(f))
+        curves = finished_curves(args.workdir, args.recipes, args.seeds)
         args.seeds = sorted({p["seed"] for points in curves.values() for p in points})
         rows, reach = summarise(curves)
         report(args, rows, reach, 0.0)
@@ -231,8 +291,23 @@ def main() -> None:
     report(args, rows, reach, time.perf_counter() - t0)
 
 
+def seeds_text(rows: list[dict]) -> str:
+    """ "3 seeds", or each recipe's count where they differ (a recipe added later with fewer runs)."""
+    counts = {r["recipe"]: r["seeds"] for r in rows if r["step"] == max(x["step"] for x in rows)}
+    if len(set(counts.values())) <= 1:
+        return f"{next(iter(counts.values()), 0)} seeds per recipe"
+    return "seeds per recipe: " + ", ".join(f"{n} for {recipe}" for recipe, n in counts.items())
+
+
 def report(args: argparse.Namespace, rows: list[dict], reach: dict[str, Any], seconds: float) -> None:
     from dit_lightning.atomic import write_text
+
+    kept: list[str] = []
+    if args.keep_others:
+        earlier = kept_rows(args.output + ".csv", args.recipes)
+        kept = list(dict.fromkeys(r["recipe"] for r in earlier))
+        rows = earlier + rows
+        reach = reached(rows)
 
     cols = ["recipe", "step", "seeds"] + [c for m in METRICS for c in (m, m + "_sd")]
     buf = io.StringIO()
@@ -246,14 +321,19 @@ def report(args: argparse.Namespace, rows: list[dict], reach: dict[str, Any], se
         "",
         f"{dt.date.today().isoformat()}, {platform.processor() or platform.machine()} CPU, "
         f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}"
-        + (f"; {seconds / 60:.0f} min for the runs made now." if seconds else "; summarised from the finished runs."),
+        + (f"; {seconds / 60:.0f} min for the runs made now." if seconds else "; summarised from the finished runs.")
+        + (
+            f" The rows of {', '.join(kept)} are kept from the earlier table (the same settings, not rerun)."
+            if kept
+            else ""
+        ),
         "",
         f"    python benchmarks/bench_recipes.py --recipes {' '.join(args.recipes)} --seeds "
         f"{' '.join(map(str, args.seeds))} --steps {args.steps} --eval-every {args.eval_every} "
         f"--num-samples {args.num_samples} --sample-steps {args.sample_steps}",
         "",
         f"The demo network and recipe ({args.steps} steps, batch 128, AdamW 1e-3, EMA 0.999 with warm-up), "
-        f"{len(args.seeds)} seeds per recipe; every {args.eval_every} steps {args.num_samples} digits from the "
+        f"{seeds_text(rows)}; every {args.eval_every} steps {args.num_samples} digits from the "
         f"EMA weights ({args.sample_steps} sampling steps, cfg 2.0). Mean +- standard deviation over seeds. "
         "fd: Frechet distance (lower is better), in pixel space and in the independent classifier's space.",
         "",
