@@ -48,9 +48,11 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# -n 2: two pytest-xdist workers, one per core of the CI machine; --dist loadfile keeps each test file on
+# one worker, so a module fixture (the digits store, a distributed run) is built once.
 # --durations: the slowest tests, to keep the suite inside CI's time limit
 test: install lint
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 bench: install
 	$(BIN)/python benchmarks/bench_optimizations.py --device cpu

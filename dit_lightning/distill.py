@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .checkpoints import load_dit
 from .diffusion import objective_from_record
+from .latents import transform_of
 from .models import DiT
 from .module import _VAL_STEP_KEY, DiTModule
 
@@ -121,6 +122,9 @@ class DistillationModule(DiTModule):
         teacher = objective_from_record(args)  # None: the file does not say
         if teacher is not None:
             problems += [f"{k}: student {a}, teacher {b}" for k, a, b in self.objective.differences(teacher)]
+        transform, mine = transform_of(args), self.latent_transform  # None: the file (or the student) does not say
+        if transform is not None and mine is not None and mine.difference(transform):
+            problems.append(f"latent transform: student {mine.describe()}, teacher {transform.describe()}")
         if self.hparams.class_dropout_prob > 0 and net.y_embedder.embedding_table.num_embeddings <= net.num_classes:
             problems.append("label dropout: the student drops labels but the teacher has no null-class embedding")
         if self.feature_pairs and s.patch_size != net.patch_size:

@@ -248,6 +248,7 @@ class DiTCLI(LightningCLI):
         parser.link_arguments("data.num_classes", model + "num_classes", apply_on="instantiate")
         parser.link_arguments("data", model + "vae", compute_fn=_store_vae, apply_on="instantiate")
         parser.link_arguments("data.scale_factor", model + "scale_factor", apply_on="instantiate")
+        parser.link_arguments("data.latent_transform", model + "latent_transform", apply_on="instantiate")
         optimizers = {
             "optimizer": {
                 "class_path": "torch.optim.AdamW",

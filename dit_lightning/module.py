@@ -42,6 +42,7 @@ from .diffusion.gaussian_diffusion import ModelFn
 from .distributed.ops import clip_gradients, ema_update_, first_failed_rank, grad_norm, no_sync
 from .distributed.sharding import configure_sharding
 from .keyed_random import keyed_normal, keyed_uniform, sample_keys
+from .latents import LatentTransform, transform_of
 from .models import DiT, DiTShape, build_dit, dit_macs, training_flops
 from .models.dit import AttentionBackend, CheckpointSpec, MlpKind, NormKind, PosEmbedKind, attention_kernel
 from .models.repa import REPAOptions
@@ -120,7 +121,11 @@ class DiTModule(L.LightningModule):
         vae: the VAE that decodes latents to images ("none/pixels" for pixel-space stores);
             linked from the data module.
         scale_factor: the latent scale of the store (latents = VAE output x scale); linked from
-            the data module and kept in the checkpoint, so :meth:`decode` is right anywhere.
+            the data module and kept in the checkpoint (older readers and the reference export read it).
+        latent_transform: the record of the store's latent transform (``pixels``, ``scale`` with a
+            shift, ``channel_stats``; docs/data.md), linked from the data module and kept in the
+            checkpoint, so :meth:`decode` inverts it anywhere; unset: read from ``vae`` and
+            ``scale_factor`` (:attr:`latent_transform`; unknown while neither says).
         objective: "ddpm" (the paper's Gaussian diffusion, epsilon prediction, hybrid loss) or "flow"
             (flow matching with SiT's stochastic interpolants; docs/recipes.md). A flow model
             predicts no variance (``learn_sigma`` is set to false) and samples with the flow
@@ -189,6 +194,7 @@ class DiTModule(L.LightningModule):
         guide_channels: Optional[int] = None,
         vae: Optional[str] = None,
         scale_factor: Optional[float] = None,
+        latent_transform: Optional[dict[str, Any]] = None,
         objective: ObjectiveName = "ddpm",
         path_type: PathType = "linear",
         prediction: Prediction = "velocity",
@@ -271,6 +277,7 @@ class DiTModule(L.LightningModule):
                     theirs["num_classes"] + ours["num_classes"] - self.model.num_classes,
                     f"--model.init_from {init_from}",
                 )
+            self._check_transform(transform_of(initial.args), f"--model.init_from {init_from}")
             load_dit_weights(self.model, self._init_weights(initial.model), source=f"checkpoint '{init_from}'")
         if ema:
             self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
@@ -318,6 +325,7 @@ class DiTModule(L.LightningModule):
                 f"the checkpoint (--ckpt_path) was trained with {theirs.describe()}: {wrong}. Configure the run as the "
                 "checkpoint's (its run's config.yaml), or start a new run with --model.init_from for its weights"
             )
+        self._check_transform(transform_of(hp) if hp else None, "the checkpoint (--ckpt_path)")
         recorded_repa = hp.get("repa")
         if self.repa is not None and isinstance(recorded_repa, dict) and recorded_repa.get("encoder"):
             changed = EncoderIdentity.from_record(recorded_repa).differences(self.repa.identity())
@@ -350,6 +358,38 @@ class DiTModule(L.LightningModule):
             "Point --data.path at the store the checkpoint was trained on (or one with the same latent shape and "
             "classes)."
         )
+
+    @property
+    def latent_transform(self) -> Optional[LatentTransform]:
+        """The latent transform of the latents this model makes (the store's): its record
+        (``latent_transform``), else the trainer's data module's, else the legacy reading of ``vae`` /
+        ``scale_factor`` (:func:`~dit_lightning.latents.transform_of`); None when unknown (no VAE or
+        no factor named, no data module yet: a module built in Python before ``fit``)."""
+        record = self.hparams.get("latent_transform")
+        if record:
+            return LatentTransform.from_record(record)
+        # Trainer.datamodule: set by Lightning's data connector, not declared on the class.
+        data = self._trainer.datamodule if self._trainer is not None else None  # type: ignore[attr-defined]
+        record = getattr(data, "latent_transform", None)
+        if record:
+            return LatentTransform.from_record(record)
+        scale = self.hparams.get("scale_factor") or getattr(data, "scale_factor", None)
+        return transform_of({"vae": self.hparams.get("vae"), "scale_factor": scale})
+
+    def _check_transform(self, theirs: Optional[LatentTransform], source: str) -> None:
+        """Weights trained on latents of another transform would see differently scaled (or shifted)
+        data here: refused with both transforms named. A file that records none, or a module that
+        knows none yet, is not checked."""
+        mine = self.latent_transform
+        if theirs is None or mine is None:
+            return
+        if mine.difference(theirs):
+            raise ValueError(
+                f"{source} was trained on latents of another latent transform ({theirs.describe()}) than this "
+                f"run's store ({mine.describe()}). "
+                "Point --data.path at a store extracted with the checkpoint's transform (same VAE, --latent_norm, "
+                "multiplier), or start from scratch on this store"
+            )
 
     @property
     def eval_model(self) -> DiT:
@@ -640,22 +680,16 @@ class DiTModule(L.LightningModule):
         latents = self.sample(batch["y"], seed=self.hparams.seed, indices=batch["index"], on_step=progress)
         return {"index": batch["index"], "y": batch["y"], "images": self.decode(latents)}
 
-    def decode(self, latents: Tensor, scale_factor: Optional[float] = None) -> Tensor:
-        """Images in [0, 1], (N, 3 or 1, H, W): through the VAE, or directly for pixel stores.
-
-        ``scale_factor`` defaults to the store's, recorded with the model (``scale_factor``, linked from
-        the data module by the CLI), then to the trainer's data module, then to 0.18215 (the SD VAEs').
-        """
+    def decode(self, latents: Tensor, transform: Optional[Union[LatentTransform, float]] = None) -> Tensor:
+        """Images in [0, 1], (N, 3 or 1, H, W): the latents through the inverse of the store's latent
+        transform (:attr:`latent_transform`; a number: a ``scale`` transform of that factor) and the
+        VAE, or directly for pixel stores."""
         name = self.hparams.vae
         if is_pixel_space(name):
             return decode_latents(latents, None)
         if name not in self._decoder_cache:
             self._decoder_cache[name] = load_vae(name)
         vae = self._decoder_cache[name].to(latents.device)
-        if scale_factor is None:
-            # Trainer.datamodule: set by Lightning's data connector, not declared on the class.
-            data = self._trainer.datamodule if self._trainer is not None else None  # type: ignore[attr-defined]
-            scale_factor = (
-                self.hparams.get("scale_factor") or getattr(data, "scale_factor", None) or DEFAULT_SCALE_FACTOR
-            )
-        return decode_latents(latents, vae, scale_factor)
+        if transform is None:  # unknown (a VAE named without its factor): DiT's SD-VAE factor
+            transform = self.latent_transform or DEFAULT_SCALE_FACTOR
+        return decode_latents(latents, vae, transform)

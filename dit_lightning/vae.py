@@ -9,6 +9,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from .latents import LatentTransform
+
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 DEFAULT_SCALE_FACTOR = 0.18215
 PIXEL_VAE_PREFIX = "none"  # "none/pixels": the store holds pixels in [-1, 1]
@@ -80,9 +82,12 @@ def load_vae(name: str, device: Union[str, torch.device] = "cpu", dtype: torch.d
 
 @torch.no_grad()
 def decode_latents(
-    latents: Tensor, vae: Optional[Union[str, nn.Module]], scale_factor: float = DEFAULT_SCALE_FACTOR
+    latents: Tensor,
+    vae: Optional[Union[str, nn.Module]],
+    transform: Union[LatentTransform, float, None] = DEFAULT_SCALE_FACTOR,
 ) -> Tensor:
-    """Images in [0, 1] (N, C, H, W): ``(x + 1) / 2`` for pixel stores, else ``vae.decode(z / s)``.
+    """Images in [0, 1] (N, C, H, W): ``(x + 1) / 2`` for pixel stores, else ``vae.decode`` of the raw
+    latents ``transform.inverse(latents)`` (a number is the ``scale`` transform's factor: ``z / s``).
 
     The VAE runs in fp32 whatever the sampling precision: decoding is a small share of the
     cost and the SD decoders are the part most sensitive to reduced precision.
@@ -91,6 +96,8 @@ def decode_latents(
         if vae is None or is_pixel_space(vae):
             return ((latents.float() + 1) / 2).clamp(0, 1)
         vae = load_vae(vae, latents.device)
+    if not isinstance(transform, LatentTransform):
+        transform = LatentTransform.scaled(DEFAULT_SCALE_FACTOR if transform is None else float(transform))
     decoder: Any = vae  # a diffusers AutoencoderKL (or a module with its `decode(z).sample`)
-    images = decoder.decode(latents.float() / scale_factor).sample
+    images = decoder.decode(transform.inverse(latents.float())).sample
     return ((images.float() + 1) / 2).clamp(0, 1)

@@ -12,6 +12,12 @@ import torch
 
 # Two cores on CI: keep intra-op threads bounded so parallel helpers do not thrash.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist (make test: -n 2) each worker already has a core: one intra-op thread, and
+    # one OpenMP thread in every process a test launches (CLI runs, gloo ranks, notebook kernels),
+    # which inherit this environment; a test that wants more sets it in its child's env.
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(autouse=True)

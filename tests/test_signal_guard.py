@@ -72,10 +72,17 @@ def test_a_deferring_guard_only_records_the_first_signal():
 
 
 def test_without_a_guard_nothing_changes():
-    with safe_points(), on_stop(lambda: "unused"):
-        stop_point()
-    with pytest.raises(KeyboardInterrupt):
-        kill(signal.SIGINT)
+    # Python's own SIGINT handler, whatever this process inherited: a job a shell starts in the
+    # background (`make test &`, a CI runner) ignores SIGINT, and Python keeps it ignored.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with safe_points(), on_stop(lambda: "unused"):
+            stop_point()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            kill(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_a_signal_exit_crosses_processes_whole():

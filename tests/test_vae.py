@@ -19,12 +19,12 @@ def test_a_saved_vae_decodes_latents_divided_by_the_scale(tmp_path):
     vae = load_vae(path)
     assert not vae.training and not any(p.requires_grad for p in vae.parameters())
     z = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(0))
-    images = decode_latents(z, vae, scale_factor=0.5)
+    images = decode_latents(z, vae, transform=0.5)
     assert images.shape == (2, 3, 8, 8) and 0 <= float(images.min()) and float(images.max()) <= 1
     with torch.no_grad():
         expect = ((vae.decode(z / 0.5).sample + 1) / 2).clamp(0, 1)
     torch.testing.assert_close(images, expect)
-    torch.testing.assert_close(decode_latents(z, path, scale_factor=0.5), expect)  # by path: loaded on the fly
+    torch.testing.assert_close(decode_latents(z, path, transform=0.5), expect)  # by path: loaded on the fly
 
 
 def test_a_missing_vae_says_how_to_get_one(tmp_path):

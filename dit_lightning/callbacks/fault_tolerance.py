@@ -44,6 +44,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -386,17 +387,32 @@ class FaultTolerance(L.Callback):
         if not procs or observer is None or not hasattr(observer, "_terminate_all"):
             return
         first = trainer.node_rank * len([None, *procs])  # the global rank of this node's local rank 0
+        rank = trainer.global_rank
+        # The observer thread lives to interpreter exit: a strong reference to the trainer or to this
+        # callback (which holds the module's bound methods) would keep the model, and through FSDP2's
+        # DTensors and device mesh the gloo process groups, alive past close_process_group, whose
+        # worker threads then still run at finalisation and may abort the process ("terminate called
+        # without an active exception", -6, after a run that succeeded).
+        trainer_ref, callback_ref = weakref.ref(trainer), weakref.ref(self)
 
         def name_then_terminate() -> None:
             for local, proc in enumerate(procs, start=1):
                 if proc.returncode:
                     how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
                     what = f"rank {first + local} (pid {proc.pid} on {socket.gethostname()}) exited ({how})"
-                    if self._watchdog is None or self._watchdog.lost is None:
+                    alive, callback = trainer_ref(), callback_ref()
+                    watchdog = callback._watchdog if callback is not None else None
+                    if watchdog is None or watchdog.lost is None:
+                        where = f" at step {alive.global_step}" if alive is not None else ""
+                        last = (
+                            callback._last_good(alive)
+                            if alive is not None and callback is not None
+                            else "see the checkpoint directory"
+                        )
                         print(
-                            f"[rank {trainer.global_rank}] dit-lightning: lost {what} at step {trainer.global_step}; "
+                            f"[rank {rank}] dit-lightning: lost {what}{where}; "
                             f"every rank stops. Resume all of them from the last checkpoint: --ckpt_path last "
-                            f"({self._last_good(trainer)}).",
+                            f"({last}).",
                             file=sys.stderr,
                             flush=True,
                         )

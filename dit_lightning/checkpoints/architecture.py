@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..diffusion import TrainingObjective, objective_from_record
+from ..latents import LatentTransform, transform_of
 from ..models.config import BLOCK_DEFAULTS, block_options, build_from_config, mlp_ratio_for, swiglu_mlp_ratio_for
 from ..models.dit import DIT_CONFIGS, LIGHTNINGDIT_CONFIGS, DiT, dit_config
 from .formats import DiTCheckpoint, StateDict, Weights, clean_state_dict, read_checkpoint
@@ -276,6 +277,12 @@ class LoadedDiT:
     def scale_factor(self) -> Optional[float]:
         value = self.args.get("scale_factor")
         return float(value) if value is not None else None
+
+    @property
+    def latent_transform(self) -> Optional[LatentTransform]:
+        """The latent transform the checkpoint records (a legacy one read from its VAE and scale
+        factor); None for a file that records neither."""
+        return transform_of(self.args)
 
     @property
     def sampling_defaults(self) -> dict[str, Any]:

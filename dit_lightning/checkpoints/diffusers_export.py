@@ -8,13 +8,17 @@ A pipeline directory holds what ``DiTPipeline.from_pretrained(DIR)`` reads offli
 - ``scheduler/``: a diffusers scheduler with the model's training betas (DPM-Solver++ 2M by
   default; for a pixel-space model it clamps x0 to [-1, 1] as dit-lightning samples it);
 - ``vae/``: the store's VAE when it can be written offline (a local ``save_pretrained``
-  directory, or a hub id already in the Hugging Face cache), with the store's scale factor as
-  ``scaling_factor``; otherwise no ``vae/`` (``model_index.json`` has ``"vae": [null, null]``)
-  and README.md says what to pass as ``vae=`` (the hub id, or :class:`PixelDecoder` for a
-  pixel-space model);
+  directory, or a hub id already in the Hugging Face cache), made to invert the store's latent
+  transform in DiTPipeline's ``vae.decode(latents / scaling_factor)``: a plain scale as
+  ``scaling_factor``; a shift or per-channel statistics (``channel_stats``) folded into
+  ``post_quant_conv`` (one added where the VAE has none) with ``scaling_factor`` 1. Otherwise no
+  ``vae/`` (``model_index.json`` has ``"vae": [null, null]``) and README.md says what to pass as
+  ``vae=`` (the hub id, or :class:`PixelDecoder` for a pixel-space model);
 - ``model_index.json`` (with ``id2label`` when the store knows class names), ``README.md`` (how
   to load it, what diffusers computes differently) and ``dit_lightning.json`` (the VAE
-  reference, scale factor, noise schedule and source, for reading it back).
+  reference, scale factor, ``latent_transform`` and ``latent_transform_in_vae``: how ``vae/``
+  holds it, ``scaling_factor`` | ``post_quant_conv`` | ``unchanged``; noise schedule and source,
+  for reading it back).
 
 The directory is built next to ``output`` and renamed into place
 (:func:`~dit_lightning.atomic.replace_directory`), so a reader never sees half of it, and a kill
@@ -32,6 +36,7 @@ import torch
 
 from ..atomic import atomic_write, replace_directory, write_json, write_text
 from ..diffusion import DDPMObjective, objective_from_record
+from ..latents import LatentTransform, legacy_transform, transform_of
 from ..sampling.schedulers import DiffusersSampler, build_scheduler, can_threshold
 from ..vae import DEFAULT_SCALE_FACTOR, DEFAULT_VAE, is_pixel_space
 from .architecture import dit_config_of, export_args, recorded_vae
@@ -97,17 +102,22 @@ def export_safetensors(ckpt: DiTCheckpoint, output: Union[str, Path], weights: W
 
 
 def _store_spec(ckpt: DiTCheckpoint, store: Optional[str]) -> Optional[Any]:
-    """The StoreSpec of ``store``, else of the store a Lightning checkpoint trained on (if it is here)."""
+    """The StoreSpec of ``store``, else of the store a Lightning checkpoint trained on (if it is here):
+    a finished store's (its ``meta.json``, where a ``channel_stats`` transform has its statistics),
+    else its plan's."""
     from ..data.digits import digits_spec
-    from ..data.store import StoreError, load_plan
+    from ..data.store import LatentStore, StoreError, is_store, load_plan
+
+    def read(path: str) -> Any:
+        return LatentStore(path).spec if is_store(path) else load_plan(path)
 
     if store is not None:
-        return load_plan(store)
+        return read(store)
     data = ckpt.meta.get("datamodule") or {}
     path = data.get("path")
     if isinstance(path, str) and os.path.isdir(path):
         try:
-            return load_plan(path)
+            return read(path)
         except StoreError:
             pass
     if data.get("prepare") == "digits":
@@ -115,9 +125,13 @@ def _store_spec(ckpt: DiTCheckpoint, store: Optional[str]) -> Optional[Any]:
     return None
 
 
-def _write_vae(name: str, scale: Optional[float], target: Path) -> Optional[str]:
-    """Save the VAE ``name`` (local directory, or a hub id in the Hugging Face cache) to ``target``
-    with ``scaling_factor`` = ``scale``; returns why it could not (None when written)."""
+def _write_vae(name: str, transform: Optional[LatentTransform], target: Path) -> tuple[Optional[str], str]:
+    """Save the VAE ``name`` (local directory, or a hub id in the Hugging Face cache) to ``target`` so
+    that DiTPipeline's ``vae.decode(latents / vae.config.scaling_factor)`` inverts ``transform``:
+    a plain scale as ``scaling_factor``; a shift or per-channel statistics folded into
+    ``post_quant_conv`` (the 1x1 convolution decode applies first; one is added where the VAE has
+    none) with ``scaling_factor`` 1. Returns (why it could not be written or None, how the transform
+    was recorded: ``scaling_factor`` | ``post_quant_conv`` | ``unchanged``)."""
     from diffusers.models import AutoencoderKL
 
     local = os.path.isdir(name)
@@ -127,11 +141,42 @@ def _write_vae(name: str, scale: Optional[float], target: Path) -> Optional[str]
         where = (
             "the local directory" if local else "the Hugging Face cache (this export reads nothing from the network)"
         )
-        return f"{name!r} could not be loaded from {where}: {type(e).__name__}"
-    if scale is not None:
-        vae.register_to_config(scaling_factor=float(scale))
+        return f"{name!r} could not be loaded from {where}: {type(e).__name__}", "unchanged"
+    how = "unchanged"
+    if transform is not None and transform.kind == "scale" and not transform.shift:
+        vae.register_to_config(scaling_factor=float(transform.scale))
+        how = "scaling_factor"
+    elif transform is not None and transform.kind != "pixels":
+        fold_into_post_quant_conv(vae, transform)
+        how = "post_quant_conv"
     vae.save_pretrained(str(target), safe_serialization=True)
-    return None
+    return None, how
+
+
+def fold_into_post_quant_conv(vae: Any, transform: LatentTransform) -> None:
+    """Make ``vae.decode(z)`` decode the model's latents ``z``: the inverse ``raw = a * z + c`` of
+    ``transform`` folded into the 1x1 ``post_quant_conv`` (``W' = W diag(a)``, ``b' = W c + b``),
+    ``scaling_factor`` 1 and no ``shift_factor``. A VAE without a ``post_quant_conv`` gets one (the
+    affine map itself)."""
+    channels = int(vae.config.latent_channels)
+    a_list, c_list = transform.inverse_coefficients(channels)
+    a = torch.tensor(a_list, dtype=torch.float64)
+    c = torch.tensor(c_list, dtype=torch.float64)
+    conv = vae.post_quant_conv
+    if conv is None:
+        conv = torch.nn.Conv2d(channels, channels, 1)
+        weight = torch.eye(channels, dtype=torch.float64)
+        bias = torch.zeros(channels, dtype=torch.float64)
+        vae.register_to_config(use_post_quant_conv=True)
+    else:
+        weight = conv.weight.detach().to(torch.float64).reshape(channels, channels)
+        bias = conv.bias.detach().to(torch.float64)
+    dtype = next(vae.parameters()).dtype
+    with torch.no_grad():
+        conv.weight.copy_((weight * a[None, :]).reshape(channels, channels, 1, 1).to(dtype))
+        conv.bias.copy_((weight @ c + bias).to(dtype))
+    vae.post_quant_conv = conv.to(dtype)
+    vae.register_to_config(scaling_factor=1.0, shift_factor=None)
 
 
 def _check_replaceable(out: Path) -> None:
@@ -146,7 +191,12 @@ def _check_replaceable(out: Path) -> None:
 def _readme(info: dict[str, Any], cfg: dict[str, Any], notes: list[str]) -> str:
     n_classes = cfg["num_classes"]
     vae_line = {
-        "included": "`vae/`: the store's VAE, `scaling_factor` set to the store's scale factor.",
+        "included": {
+            "scaling_factor": "`vae/`: the store's VAE, `scaling_factor` set to the store's scale factor.",
+            "post_quant_conv": "`vae/`: the store's VAE with the store's latent transform folded into its "
+            "`post_quant_conv` (`scaling_factor` 1): `vae.decode` takes the model's latents as they are.",
+            "unchanged": "`vae/`: the store's VAE, its own `scaling_factor` (the store's transform is unknown).",
+        }[info.get("latent_transform_in_vae") or "unchanged"],
         "pixels": "no `vae/`: the model generates pixels (values in [-1, 1]), there is nothing to decode.",
         "missing": f"no `vae/`: the model's VAE `{info['vae']}` could not be written offline ({info.get('vae_note')}).",
     }[info["vae_status"]]
@@ -260,6 +310,12 @@ def export_diffusers(
     scale = ckpt.args.get("scale_factor")
     if scale is None and spec is not None and not pixels:
         scale = spec.scale_factor
+    # the checkpoint's latent transform, else its store's; unknown: the VAE keeps its own scaling_factor
+    transform = transform_of(ckpt.args)
+    if transform is None and spec is not None and not pixels:
+        transform = spec.transform
+    if transform is None and scale is not None and not pixels:
+        transform = legacy_transform(vae_name, scale)
     ddpm = objective if isinstance(objective, DDPMObjective) else DDPMObjective()  # a raw file: DiT's
     noise_schedule, diffusion_steps = ddpm.noise_schedule, ddpm.diffusion_steps
     thresholding = pixels and can_threshold(scheduler)
@@ -280,18 +336,29 @@ def export_diffusers(
         atomic_write(tmp / "transformer" / WEIGHT_FILE, lambda f: f.write(data))
         sched.save_pretrained(str(tmp / "scheduler"))
         vae_note = None
+        recorded_as = "unchanged"
         if pixels:
             status = "pixels"
         else:
-            vae_note = _write_vae(vae_name, scale, tmp / "vae")
+            vae_note, recorded_as = _write_vae(vae_name, transform, tmp / "vae")
             status = "missing" if vae_note else "included"
             if vae_note:
                 notes.append(f"no vae/ written: {vae_note}; pass vae=AutoencoderKL.from_pretrained({vae_name!r})")
-                if scale is not None and float(scale) != DEFAULT_SCALE_FACTOR:
+                if transform is not None and (transform.kind != "scale" or transform.shift):
+                    notes.append(
+                        f"that VAE does not invert the latent transform ({transform.describe()}) by itself: decode "
+                        "with dit-lightning (`dit-lightning sample`), or export where the VAE can be read"
+                    )
+                elif scale is not None and float(scale) != DEFAULT_SCALE_FACTOR:
                     notes.append(f"set that VAE's scaling_factor to the store's {scale} (its default may differ)")
-            elif scale is None:
+            elif transform is None:
                 notes.append(
                     "the store's scale factor is unknown (pass store=...): vae/ keeps the VAE's own scaling_factor"
+                )
+            elif recorded_as == "post_quant_conv":
+                notes.append(
+                    f"the latent transform ({transform.describe()}) is folded into vae/'s post_quant_conv, "
+                    "scaling_factor 1: DiTPipeline's decode inverts it"
                 )
         index: dict[str, Any] = {
             "_class_name": "DiTPipeline",
@@ -320,6 +387,8 @@ def export_diffusers(
             "vae_status": status,
             "vae_note": vae_note,
             "scale_factor": None if pixels else (float(scale) if scale is not None else None),
+            "latent_transform": transform.record() if transform is not None else None,
+            "latent_transform_in_vae": recorded_as,
             "scheduler": scheduler,
             "scheduler_class": type(sched).__name__,
             "thresholding": thresholding,

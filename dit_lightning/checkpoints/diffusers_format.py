@@ -380,11 +380,20 @@ def read_diffusers(path: Union[str, Path]) -> tuple[StateDict, dict[str, Any], d
     vae_dir = root / "vae"
     if (vae_dir / "config.json").is_file():
         args["vae"] = str(vae_dir.resolve())
-        args["scale_factor"] = float(read_json_object(vae_dir / "config.json").get("scaling_factor", 0.18215))
+        vae_config = read_json_object(vae_dir / "config.json")
+        args["scale_factor"] = float(vae_config.get("scaling_factor", 0.18215))
+        if vae_config.get("shift_factor"):  # an SD3-style VAE's shift (DiTPipeline itself ignores it)
+            args["latent_transform"] = {
+                "kind": "scale",
+                "scale": args["scale_factor"],
+                "shift": vae_config["shift_factor"],
+            }
     elif info.get("vae"):
         args["vae"] = str(info["vae"])
         if info.get("scale_factor") is not None:
             args["scale_factor"] = float(info["scale_factor"])
+        if isinstance(info.get("latent_transform"), dict):  # not folded into a vae/ of the export: as recorded
+            args["latent_transform"] = info["latent_transform"]
     for key in ("noise_schedule", "diffusion_steps"):
         if key not in args and key in info:
             args[key] = info[key]

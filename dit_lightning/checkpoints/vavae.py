@@ -26,7 +26,7 @@ are left out: ``loss.*`` (LPIPS and the discriminator), ``foundation_model.*`` (
 
 VA-VAE has no scaling factor: LightningDiT normalises its latents per channel with the mean and
 standard deviation of the training set. The directory says ``scaling_factor: 1.0``; a latent store
-of it should use extract's per-channel statistics option.
+of it should use `extract --latent_norm channel_stats`.
 """
 
 from __future__ import annotations

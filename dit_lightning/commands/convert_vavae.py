@@ -46,7 +46,7 @@ def convert_vavae(checkpoint: str, config: str, output: str, overwrite: bool = F
         print(f"left out the training-only weights {', '.join(p + '*' for p in result['ignored'])}")
     print(
         "scaling_factor 1.0: VA-VAE has no scale factor (LightningDiT normalises its latents per channel with the "
-        "training set's mean and std); extract its store with extract's per-channel statistics option"
+        "training set's mean and std); extract its store with --latent_norm channel_stats"
     )
     return output
 

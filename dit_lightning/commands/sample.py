@@ -32,6 +32,7 @@ from ..atomic import check_writable, make_directory, remove_stale_temporaries, w
 from ..checkpoints import load_dit
 from ..diffusion import DDPMObjective, ObjectiveName, PathType, Prediction, declared_objective
 from ..images import existing_samples, save_sample, to_uint8, write_grid, write_npz_from_pngs
+from ..latents import LatentTransform
 from ..ranks import close_process_group, join_torchrun_group, rank_indices, resolve_device, resolve_rank
 from ..sampling import (
     DIFFUSERS_SAMPLERS,
@@ -53,8 +54,8 @@ _STALE_TMP_S = 60.0
 # Settings that determine the pixels of sample i; a resumed run must match them exactly. The
 # objective's are what a network's output means (``TrainingObjective.shared_settings``).
 _IMAGE_KEYS = (
-    "weights_fingerprint", "weights", "labels", "vae", "scale_factor", "num_heads", "objective", "noise_schedule",
-    "diffusion_steps", "path_type", "prediction", *SAMPLING_OPTION_NAMES,
+    "weights_fingerprint", "weights", "labels", "vae", "scale_factor", "latent_transform", "num_heads", "objective",
+    "noise_schedule", "diffusion_steps", "path_type", "prediction", *SAMPLING_OPTION_NAMES,
 )  # fmt: skip
 # What a setting absent from a sample_config.json meant: the behaviour before it was recorded, which is
 # its default (runs before `clip_denoised` never clipped; every run before flow matching was DDPM on the
@@ -175,7 +176,10 @@ def sample(
         weights: "ema" (default) or "raw" training weights.
         vae: hub id or local directory of a diffusers AutoencoderKL, or "none/pixels" for pixel
             stores; default: the checkpoint's, else sd-vae-ft-ema for 4-channel latents.
-        scale_factor: latent scale (default: the checkpoint's, else 0.18215 for a VAE).
+        scale_factor: latent scale of a file that records no latent transform (a raw state dict):
+            decode ``vae.decode(z / scale_factor)``; given, it replaces the checkpoint's transform.
+            Default: the checkpoint's latent transform (its store's: a scale and shift, or
+            per-channel statistics), else its ``scale_factor``, else 0.18215 for a VAE.
         num_heads: attention heads, when a raw checkpoint of a custom size does not match hidden/64.
         device: "auto", "cpu", "cuda"; under torchrun each rank takes cuda:LOCAL_RANK.
         rank: this process's rank (default: torch.distributed, then RANK from torchrun); ranks
@@ -218,9 +222,18 @@ def sample(
         pixels = is_pixel_space(vae_name)
         if pixels and net.in_channels not in (1, 3):
             raise ValueError(f"{net.in_channels}-channel latents need a VAE to decode: pass vae (e.g. {DEFAULT_VAE})")
-        if scale_factor is None:
-            scale_factor = 1.0 if pixels else (loaded.scale_factor or DEFAULT_SCALE_FACTOR)
-        scale = float(scale_factor)
+        if pixels:
+            transform = LatentTransform.pixels()
+        elif scale_factor is not None:
+            transform = LatentTransform.scaled(scale_factor)
+        else:
+            transform = loaded.latent_transform or LatentTransform.scaled(loaded.scale_factor or DEFAULT_SCALE_FACTOR)
+        if transform.kind == "pixels" and not pixels:  # a pixel model decoded through a VAE: said, not guessed
+            raise ValueError(
+                f"'{loaded.checkpoint.path}' was trained on pixels (no VAE) but vae {vae_name!r} was given: "
+                "leave --vae unset (or pass none/pixels)"
+            )
+        scale = 1.0 if pixels else (transform.scale if transform.kind == "scale" else float(loaded.scale_factor or 1.0))
         trained = declared_objective(
             loaded.objective, objective, path_type, prediction, source=f"checkpoint '{loaded.checkpoint.path}'"
         ).for_network(net.learn_sigma)
@@ -256,6 +269,10 @@ def sample(
             "eta": opts.eta if opts.sampler in ("ddim", "diffusers-ddim") else 0.0,
             "vae": vae_name,
             "scale_factor": scale,
+            # a plain scale is said by scale_factor alone (as before transforms were recorded)
+            "latent_transform": None
+            if transform.kind != "channel_stats" and not transform.shift
+            else transform.record(),
             "num_heads": loaded.config["num_heads"],
             **trained.shared_settings(),
         }
@@ -284,7 +301,7 @@ def sample(
                 y = plan(idx)
                 steps = StepLines(f"rank {rank}: batch of {len(chunk)}") if progress else None  # long batches
                 latents = sample_latents(net, y, idx, options=opts, objective=trained, on_step=steps)
-                images = to_uint8(decode_latents(latents, vae_model if vae_model is not None else vae_name, scale))
+                images = to_uint8(decode_latents(latents, vae_model if vae_model is not None else vae_name, transform))
                 for k, (i, c) in enumerate(zip(idx.tolist(), y.tolist())):
                     save_sample(images[k], samples_dir, i, c)
                 made += len(chunk)

@@ -87,7 +87,14 @@ class LatentBatchDataset(Dataset):
         self.train, self.seed = train, int(seed)
         self.random_flip = random_flip and train and self.store.num_flips > 1
         self.sample_posterior = sample_posterior and train and self.store.variant == "moments"
-        self.scale = float(self.store.scale_factor)
+        # the store's latent transform, model = a * raw + b per channel; a plain scale (b = 0, one a)
+        # is fused into the posterior kernel, anything else applied after it
+        transform = self.store.transform
+        a, b = transform.coefficients(self.store.latent_shape[0])
+        self.scale = a[0] if len(set(a)) == 1 and not any(b) else 1.0
+        self._affine: Optional[tuple[np.ndarray, np.ndarray]] = None
+        if self.scale == 1.0 and (set(a) != {1.0} or any(b)):
+            self._affine = (np.asarray(a, np.float32)[:, None], np.asarray(b, np.float32)[:, None])
         self._kernel: Optional[NoiseKernel] = None
         # (slots, micro_batch * (C*H*W + T*D)) float32 in shared memory, set by BatchDataLoader: x
         # first, the REPA features from column ``pool_repa_offset`` on
@@ -159,6 +166,10 @@ class LatentBatchDataset(Dataset):
             to_float32(raw[:, 0].reshape(B, -1), out=out)  # the mean (moments) or the stored sample
             if self.scale != 1.0:
                 out *= np.float32(self.scale)
+        if self._affine is not None:
+            per_channel = out.reshape(B, self._affine[0].shape[0], -1)  # a view: (B, C, H*W)
+            per_channel *= self._affine[0]
+            per_channel += self._affine[1]
         return out, store.labels[idx], idx.copy(), repa
 
     def get_batch(self, indices: np.ndarray, epoch: int = 0) -> dict[str, torch.Tensor]:
@@ -625,6 +636,11 @@ class LatentDataModule(L.LightningDataModule):
         return float(self.spec.scale_factor)
 
     @property
+    def latent_transform(self) -> dict[str, Any]:
+        """The record of the store's latent transform (linked to the model's ``latent_transform``)."""
+        return self.spec.transform.record()
+
+    @property
     def repa_spec(self) -> Optional[dict[str, Any]]:
         """The REPA encoder whose features the batches carry (``batch["repa"]``), or None (no features in
         the store, or ``repa_features=False``): ``encoder``, ``weights`` (file name), ``weights_sha256``,
@@ -683,7 +699,7 @@ class LatentDataModule(L.LightningDataModule):
         """Refuse a store at ``path`` (whole, or planned by a preparation that stopped) that is not the
         pixel store of ``image_root`` at ``image_size``."""
         assert self.image_root is not None and self.image_size is not None
-        why = pixel_store_mismatch(spec, self.image_root, self.image_size, self.image_channels)
+        why = pixel_store_mismatch(spec, self.image_root, self.image_size, self.image_channels, self.random_flip)
         if why is not None:
             raise st.StoreError(
                 f"--data.path {self.path} holds another store than the pixels of --data.image_root "

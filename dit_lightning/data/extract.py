@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..atomic import check_writable
+from ..latents import LatentTransform
 from ..ranks import resolve_device, resolve_rank
 from ..signals import on_stop, safe_points, stop_point
 from ..vae import is_pixel_space, load_vae, vae_reference
@@ -170,10 +171,12 @@ def pixel_store_spec(
     flips: bool = True,
     storage_dtype: Literal["float16", "bfloat16"] = "float16",
     shard_size: int = 1024,
+    listing: Optional[tuple[list[str], list[int], list[str]]] = None,
 ) -> st.StoreSpec:
     """The StoreSpec ``extract --vae none`` plans for these settings (known without writing the
-    store: the image list and, for ``channels="auto"``, the image headers are read)."""
-    paths, labels, classes = list_image_folder(image_root)
+    store: the image list and, for ``channels="auto"``, the image headers are read). ``listing``:
+    the folder's ``(paths, labels, classes)`` where the caller has read it (extract, after --limit)."""
+    paths, labels, classes = listing if listing is not None else list_image_folder(image_root)
     if not paths:
         raise FileNotFoundError(f"no images under {image_root} (extensions: jpg, jpeg, png, ...)")
     c = pixel_channels(image_root, paths, channels)
@@ -193,9 +196,12 @@ def pixel_store_spec(
     )
 
 
-def pixel_store_mismatch(spec: st.StoreSpec, image_root: str, image_size: int, channels: Channels) -> Optional[str]:
+def pixel_store_mismatch(
+    spec: st.StoreSpec, image_root: str, image_size: int, channels: Channels, flips: bool = False
+) -> Optional[str]:
     """What differs between a store and the pixel store of ``image_root`` at ``image_size`` (and
-    ``channels`` unless ``auto``), or None when the store is that one."""
+    ``channels`` unless ``auto``; with mirrored images where ``flips``), or None when the store is
+    that one (a store with mirrors serves a run without: it reads the unflipped images)."""
     if not is_pixel_space(spec.vae):
         return f"it holds latents of the VAE {spec.vae}, not pixels"
     if os.path.abspath(image_root) != spec.source:
@@ -209,6 +215,8 @@ def pixel_store_mismatch(spec: st.StoreSpec, image_root: str, image_size: int, c
         return f"its images are {spec.image_size} px, not {image_size}"
     if channels != "auto" and spec.latent_shape[0] != channels:
         return f"its images have {spec.latent_shape[0]} channel(s), not {channels}"
+    if flips and not spec.flips:  # it would train unflipped: random_flip has no mirror to pick
+        return "it holds no mirrored images (prepared with --data.random_flip false), and this run flips them"
     return None
 
 
@@ -680,6 +688,8 @@ def extract_latents(
     world_size: Optional[int] = None,
     seed: int = 0,
     scale_factor: Optional[float] = None,
+    latent_norm: Literal["scale", "channel_stats"] = "scale",
+    latent_multiplier: float = 1.0,
     limit: Optional[int] = None,
     finalize: bool = True,
     finalize_only: bool = False,
@@ -716,6 +726,13 @@ def extract_latents(
         seed: Seed of the posterior noise of ``variant="sample"`` (a function of seed and file).
         scale_factor: Latent scale recorded in the metadata; default the VAE's
             ``config.scaling_factor`` (0.18215 for the SD VAEs).
+        latent_norm: The latent transform the store records, which readers apply (docs/data.md,
+            "Latent transforms"): ``scale``: the VAE's ``scaling_factor`` and ``shift_factor`` as
+            diffusers applies them, ``(x - shift) * scale``; ``channel_stats``: LightningDiT's
+            ``(x - mean) / std * latent_multiplier`` with each channel's mean and std measured over
+            the store once its last shard is written (every image up to 10,000, else a seeded 10,000).
+        latent_multiplier: The multiplier of ``latent_norm channel_stats`` (LightningDiT's
+            ``latent_multiplier``; 1.0 in its VA-VAE configs).
         limit: Only use the first ``limit`` files of the sorted list (smoke tests).
         finalize: Write the index when all shards are present.
         finalize_only: Do not encode; only finalise a store whose shards are all written.
@@ -795,6 +812,25 @@ def extract_latents(
     if pixels and scale_factor not in (None, 1.0):
         raise ValueError(f"--scale_factor {scale_factor}: a pixel store holds the images in [-1, 1] at scale 1.0")
 
+    if latent_norm not in ("scale", "channel_stats"):
+        raise ValueError(f"--latent_norm {latent_norm!r}: use scale (the VAE's scaling and shift) or channel_stats")
+    if latent_norm == "scale" and latent_multiplier != 1.0:
+        raise ValueError(
+            "--latent_multiplier applies to --latent_norm channel_stats; a scale store takes --scale_factor instead"
+        )
+    if latent_norm == "channel_stats" and scale_factor is not None:
+        raise ValueError(
+            f"--scale_factor {scale_factor}: --scale_factor applies to --latent_norm scale; channel_stats measures "
+            "its own statistics (drop --scale_factor, or use --latent_multiplier)"
+        )
+    if not (latent_multiplier > 0 and np.isfinite(latent_multiplier)):
+        raise ValueError(f"--latent_multiplier must be a positive number, got {latent_multiplier}")
+    if pixels and latent_norm != "scale":
+        raise ValueError(
+            f"--latent_norm {latent_norm} normalises a VAE's latents; a pixel store (--vae none) holds the images in "
+            "[-1, 1] as they are: drop --latent_norm, or extract with a VAE"
+        )
+
     dev = resolve_device(device, local_rank)
     vae_model = None
     if replace:
@@ -803,6 +839,7 @@ def extract_latents(
         with safe_points():  # a signal waits for the deletion to finish: never half a store
             st.remove_store(output)  # every input check passed: now the old store may go
     recorded_vae = PIXEL_VAE if pixels else vae_reference(vae)  # a local directory by its absolute path
+    transform: Optional[Mapping[str, Any]] = None  # pixel stores record none: read as pixels by their vae
     if os.path.exists(os.path.join(output, st.PLAN_FILE)):
         # Resume: the shapes come from the plan, and the VAE is loaded only if work is left.
         old = st.load_plan(output)
@@ -811,6 +848,20 @@ def extract_latents(
             recorded_vae = old.vae  # a store planned before VAE directories were recorded absolute
         if pixels and channels != "auto" and old.latent_shape[0] != channels:
             latent_shape = (int(channels), *old.latent_shape[1:])  # refused by write_plan, naming the field
+        if not pixels:
+            planned = old.transform
+            if planned.kind == "pixels":
+                raise st.StoreError(
+                    f"{output} already holds a pixel store (--vae none), asked --vae {vae}: choose another --output, "
+                    "or replace it with --overwrite true"
+                )
+            if planned.kind != latent_norm:
+                raise st.StoreError(
+                    f"{output} already holds a store planned with --latent_norm {planned.kind}, asked {latent_norm}: "
+                    "resume with the original settings, choose another --output, or replace it with --overwrite true"
+                )
+            shift = planned.shift
+            transform = old.latent_transform  # None: planned before transforms were recorded (read as scale)
     elif pixels:
         latent_shape, sf = (pixel_channels(image_root, paths, channels), image_size, image_size), 1.0
     else:
@@ -821,11 +872,19 @@ def extract_latents(
             raise ValueError(f"image_size {image_size} is not divisible by the VAE's downsampling factor {down}")
         latent_shape = (int(cfg.latent_channels), image_size // down, image_size // down)
         sf = float(getattr(cfg, "scaling_factor", None) or 0.18215)
+        shift = float(getattr(cfg, "shift_factor", None) or 0.0)  # SD3 / FLUX VAEs: diffusers' (x - shift) * scale
+        transform = {"kind": "scale"}  # filled in below
     if scale_factor is not None:
         sf = float(scale_factor)
-    spec = st.write_plan(
-        output,
-        st.StoreSpec(
+    if latent_norm == "channel_stats":
+        transform = LatentTransform.channel_stats(multiplier=latent_multiplier).record()  # measured at the end
+    elif transform is not None:
+        transform = LatentTransform.scaled(sf, shift).record()
+    if pixels:  # the spec prepare: images announces, from the same listing
+        listing = (paths, labels, classes)
+        plan = pixel_store_spec(image_root, image_size, int(latent_shape[0]), flips, storage_dtype, shard_size, listing)
+    else:
+        plan = st.StoreSpec(
             latent_shape=latent_shape,
             dtype=storage_dtype,
             variant=variant,
@@ -838,9 +897,10 @@ def extract_latents(
             num_items=len(paths),
             shard_size=shard_size,
             fingerprint=_fingerprint(paths, labels),
-            extra=(("seed", int(seed)),) if variant == "sample" and not pixels else (),
-        ),
-    )
+            extra=(("seed", int(seed)),) if variant == "sample" else (),
+            latent_transform=transform,
+        )
+    spec = st.write_plan(output, plan)
 
     done, missing = st.shard_status(output, spec)
     mine = [k for k in missing if k % world_size == rank]

@@ -16,7 +16,8 @@ Layout of a store directory::
 
 ``F`` is 2 with flips (index 0: the image, 1: its horizontal flip) and 1 without;
 ``K`` is 2 for the "moments" variant (0: posterior mean, 1: log-variance) and 1 for "sample".
-Values are stored unscaled; readers multiply by ``scale_factor``.
+Values are stored raw (the VAE's own latents); readers apply the store's latent transform
+(``latent_transform``, :mod:`dit_lightning.latents`; a store without one: ``scale_factor``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,14 @@ import numpy as np
 
 from ..atomic import make_directory, save_npy, write_bytes, write_json
 from ..hashing import file_sha256
+from ..latents import ChannelMoments, LatentTransform, legacy_transform, stats_indices
 
 FORMAT_NAME = "dit-lightning-latent-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version written; readers take every one of READ_VERSIONS
+# Version 2 marks a store whose latents are not ``raw x scale_factor`` (per-channel statistics, or a
+# shift): readers of version 1 ignore the latent_transform record and would misread them, so they
+# refuse it. Every other store (a plain scale, pixels) is still written as version 1, as before.
+READ_VERSIONS = (1, 2)
 META_FILE = "meta.json"
 PLAN_FILE = "plan.json"
 LABELS_FILE = "labels.npy"
@@ -85,6 +91,9 @@ class StoreSpec:
     preprocessing: str = "adm-center-crop"
     fingerprint: str = ""  # hash of the input list, so a resume on other inputs is refused
     extra: tuple[tuple[str, Any], ...] = ()
+    # the latent transform's record (dit_lightning.latents); None: a store from before it (read by
+    # vae / scale_factor). In plan.json a channel_stats plan has no statistics; meta.json has them.
+    latent_transform: Optional[Mapping[str, Any]] = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in _NP_DTYPES:
@@ -95,6 +104,24 @@ class StoreSpec:
             raise ValueError(f"latent_shape must be (C, H, W) with positive sizes, got {self.latent_shape}")
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
+        if self.latent_transform is not None:
+            object.__setattr__(self, "latent_transform", LatentTransform.from_record(self.latent_transform).record())
+
+    @property
+    def transform(self) -> LatentTransform:
+        """The latent transform readers apply (a store without a record: ``pixels`` for a pixel store,
+        else ``scale`` with its ``scale_factor``)."""
+        if self.latent_transform is not None:
+            return LatentTransform.from_record(self.latent_transform)
+        return legacy_transform(self.vae, self.scale_factor)
+
+    @property
+    def format_version(self) -> int:
+        """The store format version this spec is written with: 2 when the latents are not the VAE's
+        ``x scale_factor`` (``channel_stats``, or a ``scale`` with a shift), which a reader of
+        version 1 would misread; else 1, byte for byte the files such readers read right."""
+        t = self.transform
+        return 2 if t.kind == "channel_stats" or (t.kind == "scale" and t.shift) else 1
 
     @property
     def num_flips(self) -> int:
@@ -127,6 +154,8 @@ class StoreSpec:
         d["latent_shape"] = list(self.latent_shape)
         d["class_names"] = list(self.class_names)
         d["extra"] = dict(self.extra)
+        if self.latent_transform is None:
+            del d["latent_transform"]  # a store from before transforms were recorded reads the same
         return d
 
     @classmethod
@@ -303,7 +332,7 @@ def write_plan(root: PathLike, spec: StoreSpec) -> StoreSpec:
             )
         return old
     make_directory(os.path.join(root, SHARD_DIR))
-    write_json(path, {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **spec.to_json()}, indent=1)
+    write_json(path, {"format": FORMAT_NAME, "format_version": spec.format_version, **spec.to_json()}, indent=1)
     return spec
 
 
@@ -354,9 +383,10 @@ def load_plan(root: PathLike) -> StoreSpec:
 def _check_format(d: dict[str, Any], path: str) -> None:
     if d.get("format") != FORMAT_NAME:
         raise StoreError(f"{path} is not a {FORMAT_NAME} file (format={d.get('format')!r})")
-    if int(d.get("format_version", -1)) != FORMAT_VERSION:
+    if d.get("format_version") not in READ_VERSIONS:
+        readable = " and ".join(str(v) for v in READ_VERSIONS)
         raise StoreError(
-            f"{path} has format_version {d.get('format_version')}, this code reads version {FORMAT_VERSION}: "
+            f"{path} has format_version {d.get('format_version')}, this code reads versions {readable}: "
             "re-extract the store or use the matching dit-lightning version"
         )
 
@@ -567,7 +597,7 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
             complete.append(features)
     meta = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": spec.format_version,
         **spec.to_json(),
         "count": count,
         "num_classes": len(spec.class_names),
@@ -582,6 +612,9 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
         "labels_file": LABELS_FILE,
         "labels_dtype": "int32",
     }
+    if not spec.transform.measured:
+        # measured from the committed shards, before the index exists: an incomplete store has none
+        meta["latent_transform"] = measure_transform(root, spec, records).record()
     for features in complete:
         meta[features.name] = features.to_json()
         for entry, r in zip(meta["shards"], records):
@@ -589,6 +622,37 @@ def finalize_store(root: PathLike) -> dict[str, Any]:
             entry[f"{features.name}_bytes"] = r[features.name]["bytes"]
     write_json(os.path.join(root, META_FILE), meta, indent=1)
     return meta
+
+
+def measure_transform(root: PathLike, spec: StoreSpec, records: Sequence[Mapping[str, Any]]) -> LatentTransform:
+    """The planned ``channel_stats`` transform of a store with its statistics measured over the
+    committed shards by LightningDiT's rule (:func:`~dit_lightning.latents.stats_indices`: every
+    sample up to 10,000, else a seeded 10,000; unbiased std), on the unflipped posterior means (the
+    stored sample of a ``sample`` store): deterministic, so a resumed or refinalised store gets the
+    same numbers."""
+    import torch
+
+    from .rng import to_float32
+
+    root = os.fspath(root)
+    counts = [int(r["count"]) for r in records]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    chosen = np.asarray(stats_indices(int(offsets[-1])), dtype=np.int64)
+    if len(chosen) < 1:
+        raise StoreError(f"{root}: no sample to measure the latents' channel statistics on")
+    moments = ChannelMoments()
+    for k in range(len(records)):
+        rows = chosen[(chosen >= offsets[k]) & (chosen < offsets[k + 1])] - offsets[k]
+        if not len(rows):
+            continue
+        data = np.load(data_path(root, k), mmap_mode="r")
+        for start in range(0, len(rows), 1024):
+            part = np.ascontiguousarray(data[rows[start : start + 1024], 0, 0])
+            moments.update(torch.from_numpy(to_float32(part)))  # bfloat16 bits (uint16) too
+        del data
+    mean, std = moments.result()
+    planned = spec.transform
+    return LatentTransform.channel_stats(mean, std, planned.multiplier, samples=len(chosen))
 
 
 def is_store(path: PathLike) -> bool:
@@ -855,6 +919,11 @@ class LatentStore:
     @property
     def scale_factor(self) -> float:
         return float(self.spec.scale_factor)
+
+    @property
+    def transform(self) -> LatentTransform:
+        """The latent transform its readers apply (raw latents -> the model's)."""
+        return self.spec.transform
 
     @property
     def variant(self) -> str:

@@ -339,6 +339,7 @@ def _store_batches(
     from ..data.rng import to_float32
     from ..data.store import LatentStore
     from ..images import to_uint8
+    from ..latents import LatentTransform
     from ..vae import decode_latents, is_pixel_space, load_vae
 
     store = LatentStore(path)
@@ -348,10 +349,9 @@ def _store_batches(
     for start in range(0, len(items), batch_size):
         idx = items[start : start + batch_size]
         x = torch.from_numpy(to_float32(store.read(idx, flip=0)[:, 0])).to(device)
-        if vae is None:
-            images = decode_latents(x, None)
-        else:
-            images = decode_latents(x * store.scale_factor, vae, store.scale_factor)
+        # the stored values are the VAE's raw latents (the store's transform is applied by the reader):
+        # decoded as they are, with the identity transform
+        images = decode_latents(x, vae, LatentTransform.pixels())
         yield to_uint8(images)
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .dit import swiglu_hidden
+
 
 @dataclass(frozen=True)
 class DiTShape:
@@ -54,8 +56,9 @@ class DiTShape:
     @property
     def mlp_hidden(self) -> int:
         """The feed-forward's hidden channels (SwiGLU: the width of its gated product)."""
-        gelu = int(self.hidden_size * self.mlp_ratio)
-        return int(2 / 3 * gelu) if self.mlp == "swiglu" else gelu
+        if self.mlp == "swiglu":
+            return swiglu_hidden(self.hidden_size, self.mlp_ratio)
+        return int(self.hidden_size * self.mlp_ratio)
 
     @property
     def mlp_matrices(self) -> int:

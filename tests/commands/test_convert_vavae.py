@@ -74,7 +74,7 @@ def test_convert_vavae_gives_the_same_moments_and_images(tmp_path, capsys):
     main(["convert-vavae", *argv])  # the command line, in process
     printed = capsys.readouterr().out
     assert "left out the training-only weights foundation_model.*, linear_proj.*, loss.*" in printed
-    assert "scaling_factor 1.0" in printed and "extract's per-channel statistics option" in printed
+    assert "scaling_factor 1.0" in printed and "--latent_norm channel_stats" in printed
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["scaling_factor"] == 1.0 and cfg["latent_channels"] == 32
     assert (

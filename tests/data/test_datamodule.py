@@ -22,6 +22,7 @@ from dit_lightning.data.datamodule import (
 )
 from dit_lightning.data.rng import NoiseKernel, flip_bits
 from tests.helpers.data import make_random_store
+from tests.helpers.ports import with_master_port
 
 SHAPE = (4, 4, 4)
 
@@ -259,7 +260,7 @@ def test_two_process_ddp_sees_the_single_process_batches(store, tmp_path):
     script.write_text(DDP_SCRIPT)
     out = str(tmp_path / "ddp")
     os.makedirs(out)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = with_master_port({**os.environ, "PYTHONWARNINGS": "ignore"})
     r = subprocess.run(
         [sys.executable, str(script), store.path, out],
         capture_output=True,

@@ -102,6 +102,10 @@ def test_one_colour_image_makes_the_folder_three_channels(folders, tmp_path, no_
         ({"vae": "none", "channels": 2}, "channels must be auto, 1 or 3"),
         ({"vae": "none", "scale_factor": 0.5}, "scale 1.0"),
         ({"vae": "some/vae", "channels": 1}, "for pixel stores"),
+        (
+            {"vae": "some/vae", "latent_norm": "channel_stats", "scale_factor": 0.5},
+            "--scale_factor applies to --latent_norm scale; channel_stats measures its own statistics",
+        ),
     ],
 )
 def test_bad_pixel_settings_are_refused_before_any_work(folders, tmp_path, no_vae, settings, match):
@@ -133,6 +137,15 @@ def test_killed_pixel_extraction_resumes_to_the_same_bytes(folders, tmp_path, no
     assert tree_bytes(out) == tree_bytes(ref)
     replaced = extract_latents(folders["grey"], out, vae="none", image_size=12, overwrite=True, **ARGS)
     assert replaced["shards_written"] == 3 and st.LatentStore(out).latent_shape == (1, 12, 12)
+
+
+def test_a_vae_extraction_into_a_pixel_store_names_the_pixel_store(folders, tmp_path, no_vae):
+    out = str(tmp_path / "store")
+    extract_latents(folders["grey"], out, vae="none", image_size=8, **ARGS)
+    before = tree_bytes(out)
+    with pytest.raises(st.StoreError, match=r"holds a pixel store \(--vae none\), asked --vae some/vae: .*--overwrite"):
+        extract_latents(folders["grey"], out, vae="some/vae", image_size=8, **ARGS)
+    assert tree_bytes(out) == before
 
 
 # ---- data.prepare: images -------------------------------------------------------------------
@@ -167,6 +180,12 @@ def test_prepare_images_writes_the_pixel_store_it_announced(folders, tmp_path, n
         ({"image_root": "colour", "image_size": 16}, st.StoreError, "made from"),
         ({"image_root": "grey", "image_size": 12}, st.StoreError, "16 px, not 12"),
         ({"image_root": "grey", "image_size": 16, "image_channels": 3}, st.StoreError, "1 channel"),
+        (
+            {"image_root": "grey", "image_size": 16, "random_flip": True},
+            st.StoreError,
+            r"--data.path .* no mirrored images \(prepared with --data.random_flip false\), and this run flips them. "
+            "Point --data.path at a directory of its own",
+        ),
         ({"image_root": "grey"}, ValueError, "--data.image_size"),
         ({"image_root": "nowhere", "image_size": 16}, FileNotFoundError, "nowhere"),
     ],

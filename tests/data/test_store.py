@@ -32,7 +32,7 @@ def test_metadata_and_layout(small_store):
     assert s.latent_shape == (4, 4, 4) and s.num_classes == 7 and s.class_names[0] == "c0"
     assert s.scale_factor == pytest.approx(0.18215)
     meta = json.load(open(os.path.join(s.path, "meta.json")))
-    assert meta["format_version"] == st.FORMAT_VERSION and meta["count"] == 50
+    assert meta["format_version"] == 1 and meta["count"] == 50
     assert meta["sample_shape"] == [2, 2, 4, 4, 4] and meta["dtype"] == "float16" and meta["flips"] is True
     assert s.labels.dtype == np.int64 and s.labels.max() < 7
 

@@ -17,6 +17,7 @@ from dit_lightning.distributed import DiTDDPStrategy
 from dit_lightning.planner import PlanOptions
 from dit_lightning.planner.communication import plan_communication
 from tests.distributed import comm_runs
+from tests.helpers.ports import with_master_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "distributed" / "comm_runs.py")
@@ -36,7 +37,7 @@ def runs(store, tmp_path_factory):
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--data", store, "--out", str(out), "--runs", RUNS],
-        env=env,
+        env=with_master_port(env),
         cwd=out,
         capture_output=True,
         text=True,

@@ -11,7 +11,6 @@ references. Every test that reads those runs stays in this file, so they happen 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from dit_lightning.checkpoints import infer_dit_config, is_sharded_checkpoint, l
 from dit_lightning.commands.consolidate import consolidate
 from dit_lightning.models import DiT
 from tests.distributed import parity
+from tests.helpers.ports import free_port, with_master_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "distributed" / "parity.py")
@@ -39,12 +39,6 @@ def _env() -> dict[str, str]:
     }
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], deadline: float) -> None:
@@ -84,12 +78,12 @@ def runs(store, tmp_path_factory):
         "2 processes": subprocess.Popen(
             [sys.executable, SCRIPT, "--data", store, "--out", str(out), "--devices", "2"],
             cwd=base,
-            env=env,
+            env=with_master_port(env),
             stdout=open(logs["2 processes"], "w"),
             stderr=subprocess.STDOUT,
         )
     }
-    port = _free_port()
+    port = free_port()
     for node in (0, 1):
         cmd = [
             sys.executable,

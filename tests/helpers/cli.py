@@ -13,6 +13,8 @@ from typing import Optional
 
 import lightning as L
 
+from tests.helpers.ports import with_master_port
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "configs" / "demo.yaml")
 # The demo's model and data shrunk so a fit takes seconds.
@@ -26,7 +28,7 @@ TINY = [
 
 def run_cli(args, tmp_path, check=True):
     """``python -m dit_lightning.cli ARGS`` in ``tmp_path``; raises with the output's tail if it fails and ``check``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = with_master_port({**os.environ, "PYTHONPATH": str(ROOT)})  # for a run of several processes
     proc = subprocess.run(
         [sys.executable, "-m", "dit_lightning.cli", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,

@@ -19,7 +19,6 @@ import csv
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 
 from dit_lightning.checkpoints import is_sharded_checkpoint, read_checkpoint
 from tests.helpers.cli import DEMO, ROOT, fit_args
+from tests.helpers.ports import free_port, with_master_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 FSDP2_CPU = str(ROOT / "configs" / "hardware" / "fsdp-v2-cpu.yaml")
@@ -43,19 +43,15 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str], cwd: Path, timeout: float = TIMEOUT) -> tuple[int, str, float]:
     """Run a job in its own session until its main process exits (every rank left then, e.g. a
     stopped one, is killed; so is everything after ``timeout``): (exit status, output, seconds)."""
     t0 = time.monotonic()
     log = cwd / f"job-{len(list(cwd.glob('job-*.log')))}.log"
     with open(log, "w") as f:  # a file, not a pipe: a stopped rank would hold a pipe open
-        proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=with_master_port(_env()), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -156,7 +152,7 @@ def test_sigterm_to_the_launching_process_checkpoints_every_rank(digits, tmp_pat
     ids=["ddp-2-nodes", "hsdp-2x2"],
 )
 def test_the_multi_node_profiles_train_and_checkpoint_on_two_simulated_nodes(digits, tmp_path, profile, per_node):
-    port = _free_port()
+    port = free_port()
     out_dir = tmp_path / "run"
     args = [
         "fit", "--config", DEMO, "--config", str(ROOT / "configs" / "hardware" / profile),
