@@ -12,6 +12,11 @@ github.com/hustvl/LightningDiT) is a set of options of the same network: ``norm=
 LightningDiT keeps both) and ``wo_shift`` (adaLN without its shifts). Their names match
 LightningDiT's, so its state dicts load with ``strict=True`` too.
 
+REG (Wu et al., "Representation Entanglement for Generation", NeurIPS 2025; github.com/Martinser/REG)
+adds one token to the sequence: a frozen encoder's class token, noised like the latents, enters
+through :class:`ClassTokenEmbedder` at position 0 (no position embedding) and is predicted back by
+the final layer's ``linear_cls`` (``class_token_dim``: the encoder's width; unset: no token).
+
 Pure PyTorch: no Lightning import, so notebooks and other trainers can use it directly.
 """
 
@@ -201,6 +206,20 @@ class LabelEmbedder(nn.Module):
         return self.embedding_table(labels)
 
 
+class ClassTokenEmbedder(nn.Module):
+    """REG's entry of the (noisy) encoder class token: a linear map to the hidden width, then a
+    LayerNorm with affine weights (REG's ``cls_projectors2`` and ``wg_norm``)."""
+
+    def __init__(self, token_dim: int, hidden_size: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(token_dim, hidden_size)
+        self.norm = nn.LayerNorm(hidden_size, elementwise_affine=True, eps=1e-6)
+
+    def forward(self, token: Tensor) -> Tensor:
+        """(N, token_dim) -> (N, 1, hidden): one sequence element."""
+        return self.norm(self.proj(token)).unsqueeze(1)
+
+
 # --------------------------------------------------------------------------------------
 # Transformer parts
 # --------------------------------------------------------------------------------------
@@ -363,17 +382,35 @@ class DiTBlock(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """adaLN (shift, scale) then a linear map from each token to its p x p x C_out patch."""
+    """adaLN (shift, scale) then a linear map from each token to its p x p x C_out patch; with REG's
+    class token (``class_token_dim``), ``linear_cls`` maps the first token, modulated alike, back to
+    the encoder's width."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: NormKind = "layernorm") -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        patch_size: int,
+        out_channels: int,
+        norm: NormKind = "layernorm",
+        class_token_dim: Optional[int] = None,
+    ) -> None:
         super().__init__()
         self.norm_final = make_norm(norm, hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+        self.linear_cls = nn.Linear(hidden_size, class_token_dim) if class_token_dim else None
 
     def forward(self, x: Tensor, c: Tensor) -> Tensor:
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
         return self.linear(modulate(self.norm_final(x), shift, scale))
+
+    def forward_with_class_token(self, x: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+        """(patch outputs of tokens 1.., the class token's prediction from token 0): REG's final layer."""
+        if self.linear_cls is None:
+            raise ValueError("this final layer has no class-token output (class_token_dim unset)")
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        h = modulate(self.norm_final(x), shift, scale)
+        return self.linear(h[:, 1:]), self.linear_cls(h[:, 0])
 
 
 class DiTBlocks(nn.ModuleList):
@@ -464,7 +501,8 @@ class DiT(nn.Module):
     with ``learn_sigma`` (epsilon, then the variance interpolation value). ``attn_dim`` (the
     width of q, k, v; default ``hidden_size``) is set only by head-pruned models. ``norm``, ``mlp``,
     ``pos_embed`` and ``wo_shift`` choose the block's parts (the defaults: DiT's; ``"rmsnorm"``,
-    ``"swiglu"``, ``"rope"``: LightningDiT's).
+    ``"swiglu"``, ``"rope"``: LightningDiT's). ``class_token_dim``: REG's class token of that width
+    (``forward(..., class_token=...)``; unset: none, the network and its state dict are DiT's).
     """
 
     _compiled: bool  # set once compiled in place (``DiTModule.configure_model``), absent before
@@ -488,9 +526,17 @@ class DiT(nn.Module):
         mlp: MlpKind = "gelu",
         pos_embed: PosEmbedKind = "sincos",
         wo_shift: bool = False,
+        class_token_dim: Optional[int] = None,
     ) -> None:
         super().__init__()
         check_block_options(norm=norm, mlp=mlp, pos_embed=pos_embed)
+        if class_token_dim is not None and class_token_dim < 1:
+            raise ValueError(f"class_token_dim must be positive (the encoder's width), got {class_token_dim}")
+        if class_token_dim and pos_embed == "rope":
+            raise ValueError(
+                "REG's class token has no grid position, and rope rotates every token by its grid position: "
+                "use pos_embed sincos with the class token (REG's SiT), or turn the class token off"
+            )
         if input_size % patch_size:
             raise ValueError(
                 f"patch_size {patch_size} does not divide the latent size {input_size}: "
@@ -509,10 +555,13 @@ class DiT(nn.Module):
         self.learn_sigma = learn_sigma
         self.class_dropout_prob = class_dropout_prob
         self.norm_kind, self.mlp_kind, self.pos_embed_kind, self.wo_shift = norm, mlp, pos_embed, wo_shift
+        self.class_token_dim = class_token_dim or None
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        # REG: the class token enters first in the sequence, with no position embedding (a zero row in REG)
+        self.cls_embedder = ClassTokenEmbedder(class_token_dim, hidden_size) if class_token_dim else None
         num_patches = self.x_embedder.num_patches
         # Fixed, not trained, but a Parameter (not a buffer) because released checkpoints hold it.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
@@ -535,7 +584,9 @@ class DiT(nn.Module):
                 for _ in range(depth)
             ]
         )
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
+        self.final_layer = FinalLayer(
+            hidden_size, patch_size, self.out_channels, norm=norm, class_token_dim=self.class_token_dim
+        )
         self.checkpoint_blocks: tuple[int, ...] = ()
         self.set_activation_checkpointing(activation_checkpointing)
         self.initialize_weights()
@@ -568,6 +619,9 @@ class DiT(nn.Module):
         nn.init.zeros_(cast(nn.Linear, self.final_layer.adaLN_modulation[-1]).bias)
         nn.init.zeros_(self.final_layer.linear.weight)
         nn.init.zeros_(self.final_layer.linear.bias)
+        if self.final_layer.linear_cls is not None:  # REG zeroes the class token's output too
+            nn.init.zeros_(self.final_layer.linear_cls.weight)
+            nn.init.zeros_(self.final_layer.linear_cls.bias)
 
     def set_activation_checkpointing(self, spec: CheckpointSpec) -> None:
         """Choose which blocks recompute their activations in the backward pass."""
@@ -584,20 +638,72 @@ class DiT(nn.Module):
 
     @overload
     def forward(
-        self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None, hidden_at: None = None
+        self,
+        x: Tensor,
+        t: Tensor,
+        y: Tensor,
+        force_drop_ids: Optional[Tensor] = None,
+        hidden_at: None = None,
+        class_token: None = None,
     ) -> Tensor: ...
     @overload
     def forward(
-        self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None, *, hidden_at: int
+        self,
+        x: Tensor,
+        t: Tensor,
+        y: Tensor,
+        force_drop_ids: Optional[Tensor] = None,
+        *,
+        hidden_at: int,
+        class_token: None = None,
     ) -> tuple[Tensor, Tensor]: ...
+    @overload
     def forward(
-        self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None, hidden_at: Optional[int] = None
-    ) -> Union[Tensor, tuple[Tensor, Tensor]]:
+        self,
+        x: Tensor,
+        t: Tensor,
+        y: Tensor,
+        force_drop_ids: Optional[Tensor] = None,
+        hidden_at: None = None,
+        *,
+        class_token: Tensor,
+    ) -> tuple[Tensor, Tensor]: ...
+    @overload
+    def forward(
+        self,
+        x: Tensor,
+        t: Tensor,
+        y: Tensor,
+        force_drop_ids: Optional[Tensor] = None,
+        *,
+        hidden_at: int,
+        class_token: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+    def forward(
+        self,
+        x: Tensor,
+        t: Tensor,
+        y: Tensor,
+        force_drop_ids: Optional[Tensor] = None,
+        hidden_at: Optional[int] = None,
+        class_token: Optional[Tensor] = None,
+    ) -> Union[Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
         """x: (N, C, H, W) latents, t: (N,) timesteps, y: (N,) labels (``num_classes`` = null).
 
         ``hidden_at=k``: also return the hidden tokens (N, T, hidden) after block k (1-based; REPA's
-        alignment depth), as ``(output, hidden)``."""
+        alignment depth), as ``(output, hidden)``. ``class_token`` (N, class_token_dim): REG's noisy
+        class token, which a network with ``class_token_dim`` needs; it returns ``(output,
+        class_token_prediction)``, or ``(output, hidden, class_token_prediction)`` with ``hidden_at``,
+        the hidden tokens then (N, 1 + T, hidden), the class token's first (as REG aligns them)."""
         x = self.x_embedder(x) + self.pos_embed
+        if (class_token is None) != (self.cls_embedder is None):
+            raise ValueError(
+                "this DiT was built with REG's class token (class_token_dim): pass class_token"
+                if self.cls_embedder is not None
+                else "class_token given, but this DiT has no class-token input: build it with class_token_dim"
+            )
+        if self.cls_embedder is not None and class_token is not None:
+            x = torch.cat([self.cls_embedder(class_token.to(x.dtype)), x], dim=1)
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
         recompute = self.checkpoint_blocks if (self.training and torch.is_grad_enabled()) else ()
         hidden: Optional[Tensor] = None
@@ -610,12 +716,14 @@ class DiT(nn.Module):
                 x = block(x, c, rope)
             if i + 1 == hidden_at:
                 hidden = x
-        out = self.unpatchify(self.final_layer(x, c))
-        if hidden_at is None:
-            return out
-        if hidden is None:
+        if hidden_at is not None and hidden is None:
             raise ValueError(f"hidden_at={hidden_at}: the DiT has blocks 1..{len(self.blocks)}")
-        return out, hidden
+        if class_token is None:
+            out = self.unpatchify(self.final_layer(x, c))
+            return out if hidden is None else (out, hidden)
+        patches, token = self.final_layer.forward_with_class_token(x, c)
+        out = self.unpatchify(patches)
+        return (out, token) if hidden is None else (out, hidden, token)
 
     def forward_with_cfg(
         self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float, guide_channels: Optional[int] = None

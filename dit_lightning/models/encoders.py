@@ -22,7 +22,10 @@ reader of foreign files (:func:`dit_lightning.safe_read.read_state_dict`: safete
 ``torch.load`` weights-only), and every error names the file and the fix.
 
 Each becomes a :class:`FrozenEncoder`: images in [0, 1] -> resized (bicubic, as REPA) and normalised
-as the encoder was trained -> patch tokens without class / register tokens, in float32.
+as the encoder was trained -> patch tokens without class / register tokens, in float32;
+:meth:`FrozenEncoder.encode` also gives the class token (REG's target: the first token of the
+encoder's normalised output, DINOv2's ``x_norm_clstoken``). A class-path encoder whose output starts
+with a class token declares ``prefix_tokens = 1`` (class attribute); one without has no class token.
 """
 
 from __future__ import annotations
@@ -87,8 +90,20 @@ class FrozenEncoder(nn.Module):
     def train(self, mode: bool = True) -> FrozenEncoder:
         return super().train(False)  # frozen: always in eval mode (no dropout, fixed norms)
 
+    @property
+    def has_class_token(self) -> bool:
+        """Whether the encoder's output starts with a class token (REG needs one)."""
+        return self.prefix_tokens > 0
+
     @torch.no_grad()
     def forward(self, images: Tensor) -> Tensor:
+        """Images in [0, 1] (N, C, H, W) -> patch features (N, T, D), float32."""
+        return self.encode(images)[0]
+
+    @torch.no_grad()
+    def encode(self, images: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """One pass: (patch features (N, T, D), the class token (N, D) or None when the encoder has
+        none), float32. The class token is the first token of the encoder's normalised output."""
         x = images.float()
         if self.in_channels == 3 and x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)  # grey images for an RGB encoder
@@ -105,7 +120,8 @@ class FrozenEncoder(nn.Module):
             z = net(x)
         if z.dim() != 3:
             raise ValueError(f"REPA encoder ({self.kind}) gave features of shape {tuple(z.shape)}, not (N, T, D)")
-        return z[:, self.prefix_tokens :].float()
+        token = z[:, 0].float() if self.prefix_tokens > 0 else None
+        return z[:, self.prefix_tokens :].float(), token
 
 
 def load_encoder(options: REPAOptions, trusted: bool = True) -> FrozenEncoder:
@@ -224,7 +240,8 @@ def _class_encoder(path: str, options: REPAOptions, trusted: bool) -> FrozenEnco
         except RuntimeError as e:  # missing / unexpected keys, other shapes
             lines = [line.strip().rstrip(".") for line in str(e).splitlines()[1:] if line.strip()]
             raise _not_fitting(options.weights, path, lines[:2] or [str(e)]) from None
-    return FrozenEncoder(net, "class", image_size=options.image_size)
+    prefix = int(getattr(cls, "prefix_tokens", 0))  # a class token (and registers) first, when it says so
+    return FrozenEncoder(net, "class", image_size=options.image_size, prefix_tokens=prefix)
 
 
 def _timm_encoder(name: str, options: REPAOptions) -> FrozenEncoder:

@@ -40,6 +40,13 @@ class REPAOptions:
             record it, so that they load, sample and resume without the encoder).
         weights_sha256: the sha256 of the encoder's weights (of a directory's files); unset: hashed
             from ``weights`` (checkpoints record it: a resumed run with other weights is refused).
+        class_token_weight: REG (Wu et al. 2025): the weight of the class token's velocity loss (REG's
+            ``--cls`` 0.03); 0: no class token. The encoder's class token (DINOv2's normalised CLS)
+            is noised at the latents' time, enters the DiT as one more token and is predicted back;
+            the alignment target then has the class token first. Flow matching only.
+        until_step: the alignment term contributes to the loss before this optimiser step only
+            (HASTE's cut-off, arXiv 2505.16792: 250k of 400k); REG's class-token loss stays on (the
+            sampler denoises the token at every step). Unset: always on (REPA, REG).
     """
 
     encoder: Optional[str] = None
@@ -50,6 +57,8 @@ class REPAOptions:
     image_size: Optional[int] = None
     feature_dim: Optional[int] = None
     weights_sha256: Optional[str] = None
+    class_token_weight: float = 0.0
+    until_step: Optional[int] = None
 
     @property
     def enabled(self) -> bool:
@@ -66,6 +75,19 @@ class REPAOptions:
             raise ValueError(f"model.repa.coeff must be >= 0, got {self.coeff}")
         if self.projector_dim < 1:
             raise ValueError(f"model.repa.projector_dim must be positive, got {self.projector_dim}")
+        if self.class_token_weight < 0:
+            raise ValueError(f"model.repa.class_token_weight must be >= 0 (REG: 0.03), got {self.class_token_weight}")
+        if self.until_step is not None and self.until_step < 0:
+            raise ValueError(f"model.repa.until_step must be >= 0 (an optimiser step), got {self.until_step}")
+
+    @property
+    def class_token(self) -> bool:
+        """Whether REG's class token is on."""
+        return self.class_token_weight > 0
+
+    def aligns_at(self, step: int) -> bool:
+        """Whether the alignment term counts at optimiser step ``step`` (``until_step``'s cut-off)."""
+        return self.until_step is None or step < self.until_step
 
 
 class Projector(nn.Sequential):
