@@ -60,6 +60,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_loader.py
 	$(BIN)/python benchmarks/bench_step.py
 	$(BIN)/python benchmarks/bench_communication.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_own_data.py  # MNIST: 5 recipes x 3 seeds (docs/benchmarks/recipes_mnist.md)
 	@echo "not run: bench_shrink.py needs a trained teacher checkpoint (its command: docs/benchmarks/shrink_cpu.md)"
 
 # No install prerequisite: the script finds (or installs) an interpreter with the dependencies itself,

