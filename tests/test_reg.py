@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import dit_lightning.module as module_py
@@ -17,7 +18,7 @@ from tests.helpers.models import randomize
 from tests.helpers.reg_encoder import ClassTokenDigitsEncoder
 from tests.helpers.repa_reference import build_mlp
 from tests.helpers.training import TINY_MODULE as TINY
-from tests.helpers.training import DictDataset
+from tests.helpers.training import DictDataset, trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ENCODER = "tests.helpers.reg_encoder.ClassTokenDigitsEncoder"
@@ -140,3 +141,58 @@ def test_after_until_step_the_projector_gets_zero_gradients_and_stays_in_the_gra
     before = reg_module(encoder_file, repa=reg_options(encoder_file, until_step=3))
     before.training_losses(b, step=2)["loss"].backward()
     assert all(p.grad.any() for p in before.repa_projector.parameters())
+
+
+def test_a_reg_fit_with_the_cut_off_inside_resumes_bit_exact_and_loads_without_the_encoder(encoder_file, tmp_path):
+    """REG on, the alignment cut off at step 3 of 4, EMA on, validation each epoch: the run resumed from
+    step 2 ends with the uninterrupted run's weights, EMA and projector, bit for bit (the class token's
+    noise is keyed on the step and the sample index like the latents'); the checkpoint rebuilds the
+    network's class-token layers from its record, without the encoder."""
+    data = DataLoader(DictDataset(16), batch_size=8)
+    options = reg_options(encoder_file, until_step=3)
+    straight = reg_module(encoder_file, options, class_dropout_prob=0.1)
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    run = trainer(max_steps=4, enable_checkpointing=True, callbacks=[every_2], limit_val_batches=1)
+    run.fit(straight, data, data)
+    logged = {"train/loss", "train/denoising", "train/repa", "train/class_token", "val/loss", "val/class_token"}
+    assert logged <= set(run.callback_metrics)
+    resumed = reg_module(encoder_file, options, class_dropout_prob=0.1)
+    trainer(max_steps=4, default_root_dir=tmp_path, limit_val_batches=0).fit(
+        resumed, data, ckpt_path=tmp_path / "step=2.ckpt"
+    )
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name  # the network, its class-token layers, the EMA and the projector
+    assert not torch.equal(straight.ema.cls_embedder.proj.weight, straight.model.cls_embedder.proj.weight)
+    (tmp_path / "encoder.pt").unlink()  # a REG checkpoint loads without the encoder
+    again = DiTModule.load_from_checkpoint(tmp_path / "step=4.ckpt")
+    assert again.model.class_token_dim == 64 and again.repa.options.until_step == 3
+    assert "encoder" not in again.repa._frozen
+    torch.testing.assert_close(again.state_dict(), straight.state_dict(), rtol=0, atol=0)
+
+
+def test_reg_under_the_levers_split_steps_recomputation_and_bf16(encoder_file):
+    data = DataLoader(DictDataset(16), batch_size=8)
+    plain, split = reg_module(encoder_file), reg_module(encoder_file)
+    split.load_state_dict(plain.state_dict())
+    trainer(max_steps=2, limit_val_batches=0).fit(plain, data)
+    # auto-fit's redoable step: each batch in micro-batches of 4, forward and backward apart
+    split.micro_batch_size, split.out_of_memory_handler = 4, lambda failure, step: None
+    trainer(max_steps=2, limit_val_batches=0).fit(split, data)
+    for (name, a), b in zip(plain.state_dict().items(), split.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6, msg=name)
+    # activation checkpointing re-runs the blocks (the class token's among the tokens): the same gradients
+    grads = []
+    for spec in ("none", "all"):
+        module = reg_module(encoder_file, activation_checkpointing=spec)
+        module.load_state_dict(plain.state_dict())
+        module.training_losses(batch(8), step=0)["loss"].backward()
+        trained = [p for p in [*module.model.parameters(), *module.repa_projector.parameters()] if p.requires_grad]
+        grads.append([p.grad.clone() for p in trained])  # every one has a gradient
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    mixed = reg_module(encoder_file)
+    trainer(max_steps=1, limit_val_batches=0, precision="bf16-mixed").fit(mixed, data)
+    assert all(torch.isfinite(p).all() for p in mixed.parameters())
+    assert not torch.equal(
+        mixed.model.final_layer.linear_cls.weight, torch.zeros_like(mixed.model.final_layer.linear_cls.weight)
+    )
