@@ -232,19 +232,35 @@ class REPAHead:
         return patches, token if reg else None
 
     def check_store(self, spec: Mapping[str, Any]) -> None:
-        """Features precomputed in a store (its record ``spec``) must be this run's encoder's: the same
-        encoder, weights and image size (:class:`EncoderIdentity`), width and the DiT's token count."""
+        """Features precomputed in a store (its record ``spec``, the datamodule's ``repa_spec``) must be
+        this run's encoder's: the same encoder, weights and image size (:class:`EncoderIdentity`), width
+        and the DiT's token count. With REG on, the store must hold the encoder's class token too
+        (``spec["class_token"]``, the same encoder's, of its width): a store without it is refused."""
         tokens = self.dit_tokens
         problems = EncoderIdentity.from_record(spec).differences(self.identity())
         if spec.get("dim") != self.options.feature_dim:
             problems.append(f"feature width {spec.get('dim')} (the encoder gives {self.options.feature_dim})")
         if spec.get("tokens") != tokens:
             problems.append(f"{spec.get('tokens')} tokens (the DiT has {tokens})")
+        token = spec.get("class_token")
+        if self.options.class_token and isinstance(token, Mapping):
+            problems += [f"class token: {p}" for p in EncoderIdentity.from_record(token).differences(self.identity())]
+            if token.get("dim") != self.options.feature_dim:  # the class token is a row of the features' output
+                problems.append(f"class token width {token.get('dim')} (the encoder gives {self.options.feature_dim})")
         if problems:
             raise ValueError(
                 "the store's REPA features were made with another encoder: " + "; ".join(problems) + ". Extract the "
                 "features of this run's encoder (dit-lightning extract --output STORE --repa_encoder ... "
                 "--repa_weights ...), or set data.repa_features false to compute them online"
+            )
+        if self.options.class_token and not isinstance(token, Mapping):
+            weights = f" --repa_weights <{spec['weights']}>" if spec.get("weights") else ""
+            raise ValueError(
+                f"REG (model.repa.class_token_weight {self.options.class_token_weight}) needs the encoder's class "
+                "token, and the store's precomputed REPA features hold none (extracted before class tokens were "
+                f"stored, or a class-token pass not finished): rerun `dit-lightning extract --output STORE "
+                f"--repa_encoder {spec.get('encoder')}{weights}` (add --image_root for a VAE store) to add it (one "
+                "encoder pass; the patch features stay), or set data.repa_features false to compute the targets online"
             )
 
     # ---- the alignment term ------------------------------------------------------------------------
