@@ -406,7 +406,8 @@ def _setup_repa(output: str, spec: st.StoreSpec, options: Any, dev: torch.device
     for plan in planned:
         wrong = EncoderIdentity.from_record(plan.source).differences(identity)
         if wrong:  # each names the asked encoder, then "this one": the store's
-            files = " and ".join(f"{p.plan_file}, shards/*.{p.name}.npy" for p in planned)
+            parts = [f for p in planned for f in (p.plan_file, f"shards/*.{p.name}.npy")]
+            files = ", ".join(parts[:-1]) + " and " + parts[-1]
             raise st.StoreError(
                 f"{output} already holds REPA features of another encoder than the one asked: "
                 + "; ".join(wrong).replace("this one", "the store's")
