@@ -550,7 +550,8 @@ class LatentDataModule(L.LightningDataModule):
             ranks). Opening a store always checks the files' sizes and its commit records against
             the index (an inconsistent store is refused); ``dit-lightning verify`` does all of
             this without training.
-        repa_features: Add the store's REPA features to the batches (``batch["repa"]``) when it has
+        repa_features: Add the store's REPA features to the batches (``batch["repa"]``, and
+            ``batch["repa_class_token"]`` when it holds the encoder's class token) when it has
             them; False: leave them out (REPA then computes them online, or is off). With True, a
             REPA run on a store whose features pass stopped half-way is refused
             (:attr:`repa_unfinished`) rather than computing them online unawares.

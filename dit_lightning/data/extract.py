@@ -13,9 +13,11 @@ Runs on the GPU when there is one (``device="auto"``); the VAE stays in float32 
 
 With ``--repa_encoder`` (and its local ``--repa_weights``) every shard also stores the frozen REPA
 encoder's patch features of each image and of its flip (``shard-KKKKK.repa.npy``), computed on the
-very image the VAE encodes. On a store whose latents are all written, the same command computes only
-the features (:func:`extract_features`): from the stored pixels of a pixel store, from the images
-(``--image_root``, checked against the store's fingerprint) of a VAE store.
+very image the VAE encodes, and, for an encoder with a class token, that token from the same pass
+(``shard-KKKKK.repa_class_token.npy``: REG's target). On a store whose latents are all written, the
+same command computes only the features (:func:`extract_features`): from the stored pixels of a
+pixel store, from the images (``--image_root``, checked against the store's fingerprint) of a VAE
+store; a store whose patch features predate class tokens gets only the class tokens added.
 """
 
 from __future__ import annotations
@@ -404,7 +406,8 @@ def _setup_repa(output: str, spec: st.StoreSpec, options: Any, dev: torch.device
     for plan in planned:
         wrong = EncoderIdentity.from_record(plan.source).differences(identity)
         if wrong:  # each names the asked encoder, then "this one": the store's
-            files = " and ".join(f"{p.plan_file}, shards/*.{p.name}.npy" for p in planned)
+            parts = [f for p in planned for f in (p.plan_file, f"shards/*.{p.name}.npy")]
+            files = ", ".join(parts[:-1]) + " and " + parts[-1]
             raise st.StoreError(
                 f"{output} already holds REPA features of another encoder than the one asked: "
                 + "; ".join(wrong).replace("this one", "the store's")
@@ -619,7 +622,8 @@ def extract_features(
     finalize: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Add a frozen REPA encoder's patch features to a store whose latents are all written.
+    """Add a frozen REPA encoder's patch features (and its class token, for an encoder with one) to a
+    store whose latents are all written; to a store with the patch features only, its class tokens.
 
     Shard by shard, resumable (rerun: it continues; the same bytes as an uninterrupted run) and
     data-parallel like :func:`extract_latents` (which calls this when its latents are done). A pixel
@@ -798,11 +802,11 @@ def extract_latents(
             that is provably a store written by this tool (and holds nothing else, and not the
             images) is deleted, and only after the images and the VAE have been checked.
         progress: Show a rich progress bar (on local rank 0).
-        repa_encoder: Also store this frozen REPA encoder's patch features of every image and flip
-            (``model.repa.encoder``'s names: ``dinov2-vitb14``, a timm name, a ``save_pretrained``
-            directory, a class path). On a store whose latents are all written only the features are
-            computed (:func:`extract_features`; ``image_root`` is then only needed for VAE stores, and
-            the other settings are the store's).
+        repa_encoder: Also store this frozen REPA encoder's patch features of every image and flip,
+            and its class token when it has one (``model.repa.encoder``'s names: ``dinov2-vitb14``, a
+            timm name, a ``save_pretrained`` directory, a class path). On a store whose latents are all
+            written only the features are computed (:func:`extract_features`; ``image_root`` is then
+            only needed for VAE stores, and the other settings are the store's).
         repa_weights: The encoder's local weights file (nothing is downloaded).
         repa_image_size: The encoder's input side; unset: its own (224 for DINOv2).
         channels: Pixel stores: ``auto`` (1 when every image of the folder is stored grey, PIL mode
