@@ -5,6 +5,7 @@ and the diffusers export refuses it by name."""
 import argparse
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,3 +103,21 @@ def test_regs_arguments_read_as_sits():
     assert (read["path_type"], read["prediction"], read["num_heads"]) == ("gvp", "velocity", 16)
     with pytest.raises(ValueError, match="linear or cosine"):
         reg_args({"path_type": "edm"})
+
+
+def test_sample_samples_a_reg_checkpoint_with_the_token_guided(tmp_path):
+    from dit_lightning.commands.sample import sample
+    from tests.helpers.data import make_tiny_vae
+
+    args = argparse.Namespace(model="SiT-tiny", path_type="linear", prediction="v", num_classes=1000)
+    sd = reg_sit(0).state_dict()
+    torch.save({"model": sd, "ema": sd, "args": args}, tmp_path / "reg.pt")
+    common = dict(labels=[1, 2], num_steps=3, vae=make_tiny_vae(str(tmp_path / "vae")), device="cpu", progress=False,
+                  grid_size=2, cfg_scale=2.0, cfg_interval=(0.15, 1.0))  # fmt: skip
+    sample(str(tmp_path / "reg.pt"), str(tmp_path / "a"), class_token_cfg_scale=0.0, **common)
+    sample(str(tmp_path / "reg.pt"), str(tmp_path / "b"), **common)  # the token guided as the latents
+    config = json.loads((tmp_path / "a" / "sample_config.json").read_text())
+    assert (config["objective"], config["sampler"], config["class_token_cfg_scale"]) == ("flow", "sde-euler", 0.0)
+    a, b = (np.load(next((tmp_path / d).glob("*.npz")))["arr_0"] for d in ("a", "b"))
+    assert a.shape == b.shape == (2, 16, 16, 3)  # the tiny VAE decodes 8 x 8 latents to 16 x 16 images
+    assert not np.array_equal(a, b)  # the token's guidance reaches the images
