@@ -18,16 +18,29 @@ this project's DiT in names, one row of ``pos_embed`` and its time convention:
   map of ``t_embedder`` (computed in float64). So the loaded network samples with every flow sampler
   and is REG's to rounding.
 
+A REG ``train.py`` checkpoint (``{"model", "ema", "opt", "args"}``) or a raw REG state dict is read
+(:func:`~.formats.read_checkpoint`) as the DiT it is, so ``load_dit``, ``sample``, ``predict``,
+``init_from`` and the exports take it as any other; its arguments are read as SiT's (``prediction``
+``v`` is velocity, ``path_type`` ``cosine`` REG's ``alpha = cos``, ``sigma = sin`` in its time, which
+is the GVP path in ours; ``model: SiT-B/2`` names DiT-B/2's heads). Its optimiser state is left out:
+it is keyed by parameter position and covers REPA's projector.
+
 Pure PyTorch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
-from .formats import StateDict
+if TYPE_CHECKING:
+    from .formats import DiTCheckpoint
+
+StateDict = dict[str, Tensor]  # (formats.StateDict; not imported: formats reads through this module)
 
 REG_RENAMES = (("cls_projectors2.", "cls_embedder.proj."), ("wg_norm.", "cls_embedder.norm."))
 _DROPPED = ("projectors.",)  # REPA's alignment projector: training only
@@ -86,3 +99,40 @@ def reg_state_dict(sd: StateDict, source: str = "the state dict") -> StateDict:
         if name in sd:
             out[name] = -sd[name]
     return out
+
+
+_REG_PATHS = {"linear": "linear", "cosine": "gvp"}
+
+
+def reg_args(args: dict[str, Any]) -> dict[str, Any]:
+    """REG's ``train.py`` arguments as the settings this project reads (module docstring)."""
+    out = dict(args)
+    path = str(args.get("path_type") or "linear").lower()
+    if path not in _REG_PATHS:
+        raise ValueError(f"REG checkpoint with path_type {args.get('path_type')!r}: REG trains linear or cosine")
+    out["path_type"] = _REG_PATHS[path]
+    if str(args.get("prediction") or "v") == "v":
+        out["prediction"] = "velocity"
+    model = args.get("model")
+    if isinstance(model, str) and model.startswith("SiT-") and not args.get("num_heads"):
+        from ..models.dit import DIT_CONFIGS
+
+        named = DIT_CONFIGS.get("DiT-" + model[len("SiT-") :])
+        if named is not None:  # REG's SiT sizes are DiT's (its SiT-S's mismatched final layer aside)
+            out["num_heads"] = named["num_heads"]
+    return out
+
+
+def from_reg(ckpt: DiTCheckpoint) -> DiTCheckpoint:
+    """``ckpt`` (a REG checkpoint read as reference or raw weights) as this project's DiT: its weight
+    sets through :func:`reg_state_dict`, its arguments through :func:`reg_args`, no optimiser state."""
+    source = f"checkpoint '{ckpt.path}'"
+    model = reg_state_dict(ckpt.model, source)
+    ema = model if ckpt.ema is ckpt.model else (reg_state_dict(ckpt.ema, source) if ckpt.ema is not None else None)
+    args = reg_args(ckpt.args) if ckpt.args else {}
+    note = (
+        f"'{ckpt.path}' is REG's SiT (github.com/Martinser/REG): read in this project's flow time (REG's "
+        "time and velocity sign folded into the weights), REPA's projector and the optimiser state left out"
+    )
+    meta = {**ckpt.meta, "notes": [*ckpt.meta.get("notes", []), note]}
+    return dataclasses.replace(ckpt, model=model, ema=ema, args=args, optimizer=None, meta=meta)

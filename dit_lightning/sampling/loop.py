@@ -217,7 +217,8 @@ def sample_latents(
     A DiT with REG's class token (``class_token_dim``, a flow objective) samples the token jointly
     from its own keyed noise (``class_token_noise`` (N, D) overrides it): the sampler's state is each
     sample's ``[latent.flatten(), token]`` (:func:`joint_model_fn`; ``noise_fn`` then returns that
-    packed shape) and the token is dropped at the end, as REG's sampler returns the latents only.
+    packed shape, and a ``model_fn`` takes and returns it as :func:`joint_model_fn` does) and the token
+    is dropped at the end, as REG's sampler returns the latents only.
     """
     if isinstance(indices, SamplingOptions):
         raise TypeError("options are passed by name: sample_latents(net, labels, indices, options=...)")
