@@ -152,6 +152,10 @@ def test_after_until_step_the_projector_gets_zero_gradients_and_stays_in_the_gra
     before = reg_module(encoder_file, repa=reg_options(encoder_file, until_step=3))
     before.training_losses(b, step=2)["loss"].backward()
     assert all(p.grad.any() for p in before.repa_projector.parameters())
+    repa_only = reg_module(encoder_file, repa=reg_options(encoder_file, until_step=3, class_token_weight=0.0))
+    terms = [repa_only.training_losses(b, step=s) for s in (2, 3)]  # REPA alone: the same cut-off
+    assert "class_token" not in terms[0] and terms[0]["loss"] != terms[0]["denoising"]
+    assert terms[1]["loss"] == terms[1]["denoising"] and terms[1]["repa"] != 0
 
 
 def test_a_reg_fit_with_the_cut_off_inside_resumes_bit_exact_and_loads_without_the_encoder(encoder_file, tmp_path):
