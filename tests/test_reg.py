@@ -67,7 +67,18 @@ def test_the_dit_of_a_reg_run_takes_the_class_token_and_the_record_says_its_widt
     module = reg_module(encoder_file)
     assert module.model.class_token_dim == 64 and module.ema.class_token_dim == 64
     assert module.hparams.repa["feature_dim"] == 64 and module.hparams.repa["class_token_weight"] == 0.03
-    terms = module.training_losses(batch(4), step=0)
+    b = batch(4)
+    patches, token = module.repa.targets(b, module.decode)  # online: one encoder pass
+    encoder = ClassTokenDigitsEncoder()
+    encoder.load_state_dict(torch.load(encoder_file, weights_only=True))
+    with torch.no_grad():
+        dense_z = encoder((b["x"] + 1) / 2)
+    torch.testing.assert_close((patches, token), (dense_z[:, 1:], dense_z[:, 0]), rtol=0, atol=0)
+    stored = module.repa.targets({**b, "repa": patches * 2, "repa_class_token": token * 3}, module.decode)
+    torch.testing.assert_close(stored, (patches * 2, token * 3), rtol=0, atol=0)  # the store's, as given
+    plain = reg_module(encoder_file, repa=reg_options(encoder_file, class_token_weight=0.0))
+    assert plain.repa.targets(b, plain.decode)[1] is None and plain.model.class_token_dim is None
+    terms = module.training_losses(b, step=0)
     assert set(terms) == {"loss", "denoising", "repa", "class_token"}
     expected = terms["denoising"] + 0.5 * terms["repa"] + 0.03 * terms["class_token"]
     torch.testing.assert_close(terms["loss"], expected, rtol=0, atol=0)
@@ -141,6 +152,10 @@ def test_after_until_step_the_projector_gets_zero_gradients_and_stays_in_the_gra
     before = reg_module(encoder_file, repa=reg_options(encoder_file, until_step=3))
     before.training_losses(b, step=2)["loss"].backward()
     assert all(p.grad.any() for p in before.repa_projector.parameters())
+    repa_only = reg_module(encoder_file, repa=reg_options(encoder_file, until_step=3, class_token_weight=0.0))
+    terms = [repa_only.training_losses(b, step=s) for s in (2, 3)]  # REPA alone: the same cut-off
+    assert "class_token" not in terms[0] and terms[0]["loss"] != terms[0]["denoising"]
+    assert terms[1]["loss"] == terms[1]["denoising"] and terms[1]["repa"] != 0
 
 
 def test_a_reg_fit_with_the_cut_off_inside_resumes_bit_exact_and_loads_without_the_encoder(encoder_file, tmp_path):
