@@ -167,10 +167,7 @@ def dump(trainer_: L.Trainer, module: DiTModule, out: Path, name: str, **facts: 
     assert module.ema is not None
     state: dict[str, Any] = {"model": full_state_dict(module.model), "ema": full_state_dict(module.ema)}
     # sampling from the (sharded) EMA is a collective too: with and without guidance
-    if module.model.class_token_dim is None:  # the REG run's samples are not compared (its weights and logs are)
-        state["samples"] = torch.cat(
-            [module.sample([1, 2], num_steps=2, cfg_scale=c, seed=0) for c in (1.0, 2.0)]
-        ).cpu()
+    state["samples"] = torch.cat([module.sample([1, 2], num_steps=2, cfg_scale=c, seed=0) for c in (1.0, 2.0)]).cpu()
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.model.parameters())
     facts.setdefault(
         "ema_local_numel", sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.ema.parameters())
