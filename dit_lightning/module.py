@@ -28,6 +28,7 @@ from .checkpoints import (
 )
 from .device_memory import forget_failed_pass, free_device_memory, is_out_of_memory
 from .diffusion import (
+    FlowMatching,
     LossWeighting,
     ObjectiveName,
     ObjectiveSettings,
@@ -62,7 +63,7 @@ warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 # Fixed keys so that validation sees the same timesteps and noise in every run and epoch.
 _VAL_STEP_KEY = -1
-_STREAM_T, _STREAM_NOISE, _STREAM_DROP = 1, 2, 3
+_STREAM_T, _STREAM_NOISE, _STREAM_DROP, _STREAM_CLASS_TOKEN = 1, 2, 3, 4
 # The weight sets of a Lightning checkpoint: (state-dict prefix, what a message calls them).
 _WEIGHT_SETS = (("ema.", "EMA weights"), ("model.", "trained weights"))
 
@@ -149,9 +150,11 @@ class DiTModule(L.LightningModule):
             of the predicted and the path's velocity over the channels, averaged over positions, to
             the velocity MSE (flow, velocity prediction; docs/recipes.md).
         repa: REPA (representation alignment, docs/recipes.md): ``encoder`` (unset: off), its local
-            ``weights``, ``depth`` (8), ``coeff`` (0.5), ``projector_dim`` (2048). The projector trains
-            with the network and is saved in checkpoints, never in exports; the encoder's features
-            come from the store (``extract --repa_encoder``) or are computed online.
+            ``weights``, ``depth`` (8), ``coeff`` (0.5), ``projector_dim`` (2048), ``until_step``
+            (HASTE's cut-off of the alignment term), ``class_token_weight`` (REG's class token: 0.03;
+            flow objective, velocity prediction). The projector trains with the network and is saved
+            in checkpoints, never in exports; the encoder's features come from the store (``extract
+            --repa_encoder``) or are computed online.
     """
 
     def __init__(
@@ -226,6 +229,11 @@ class DiTModule(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         # REPA's head reads its encoder's feature width (and hashes its weights) for the record
         self.repa: Optional[REPAHead] = repa_head(repa, image_shape_of(latent_shape, is_pixel_space(vae)))
+        if self.repa is not None and self.repa.class_token_dim:
+            if not isinstance(self.objective, FlowMatching):
+                raise ValueError("REG trains with the flow objective: set model.objective flow")
+            if self.objective.prediction != "velocity":
+                raise ValueError("REG trains the velocity of its class token: set model.prediction velocity")
         # Under LightningCLI save_hyperparameters records the parsed config, not these locals: the record
         # must say what runs (a flow model's sampler and variance), so set what the objective changed.
         records: tuple[Any, ...] = (self.hparams, self._hparams_initial)
@@ -257,6 +265,7 @@ class DiTModule(L.LightningModule):
             pos_embed=pos_embed,
             wo_shift=wo_shift,
             activation_checkpointing=activation_checkpointing,
+            class_token_dim=self.repa.class_token_dim if self.repa is not None else None,
         )
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
@@ -482,20 +491,30 @@ class DiTModule(L.LightningModule):
     def training_losses(self, batch: dict[str, Tensor], step: int) -> dict[str, Tensor]:
         """The objective of one (micro-)batch at optimiser step ``step``: ``loss`` and the terms to log
         (subclasses change the objective here, e.g. distillation; the step around it stays)."""
-        head = self.repa
-        if head is None:
+        if self.repa is None:
             return self.diffusion_loss(self.model, batch, step, train=True)
-        features = head.features(batch, self.decode)
-        hidden: list[Tensor] = []
+        return self.head_losses(self.model, batch, step, train=True)
 
-        def network(x: Tensor, t: Tensor, **kwargs: Any) -> Tensor:
-            out, h = self.model(x, t, **kwargs, hidden_at=head.depth)  # the aligned block's tokens, as a value
-            hidden.append(h)
-            return out
-
-        terms = self.diffusion_loss(network, batch, step, train=True)
-        repa = head.loss(hidden[0], features)
-        return {**terms, "loss": terms["loss"] + head.coeff * repa, "denoising": terms["loss"], "repa": repa}
+    def head_losses(self, net: DiT, batch: dict[str, Tensor], step_key: int, train: bool) -> dict[str, Tensor]:
+        """REPA's (and REG's) terms around the objective's (:meth:`REPAHead.losses`): the encoder's
+        targets, and REG's class-token noise keyed on (seed, step, sample index) like the latents'."""
+        head = self.repa
+        assert head is not None
+        patches, token = head.targets(batch, self.decode)
+        noise, interpolate = None, None
+        if token is not None:
+            assert isinstance(self.objective, FlowMatching)  # REG's objective, checked when built
+            keys = sample_keys(batch["index"].to(token.device), self.hparams.seed, step_key)
+            noise = keyed_normal(keys, token.shape[1:], stream=_STREAM_CLASS_TOKEN)
+            interpolate = self.objective.interpolate
+        return head.losses(
+            net,
+            lambda fn: self.diffusion_loss(fn, batch, step_key, train),
+            (patches, token),
+            noise,
+            interpolate,
+            step=step_key if train else None,
+        )
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Union[Tensor, dict[str, Tensor]]:
         """One (micro-)batch of the optimiser step: Lightning accumulates, reduces the gradients (DDP's
@@ -582,7 +601,10 @@ class DiTModule(L.LightningModule):
         super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def _eval_step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
-        terms = self.diffusion_loss(self.eval_model, batch, _VAL_STEP_KEY, train=False)
+        if self.repa is not None and self.repa.class_token_dim:  # REG's network takes the noisy class token
+            terms = self.head_losses(self.eval_model, batch, _VAL_STEP_KEY, train=False)
+        else:
+            terms = self.diffusion_loss(self.eval_model, batch, _VAL_STEP_KEY, train=False)
         bs = batch["x"].shape[0]
         for name, value in terms.items():
             self.log(f"{stage}/{name}", value, sync_dist=True, batch_size=bs, prog_bar=name == "loss")

@@ -158,6 +158,7 @@ def build_problem(
             mlp=shape.mlp,
             pos_embed=shape.pos_embed,
             wo_shift=shape.wo_shift,
+            class_token_dim=shape.class_token_dim,  # REG's class token: one more token per block
         ),
         global_batch=int(global_batch),
         world_size=int(world_size),

@@ -90,6 +90,8 @@ def infer_dit_config(sd: StateDict, source: str = "the state dict") -> dict[str,
         "wo_shift": adaln_rows == 4 * hidden,
     }
     cfg.update({k: v for k, v in options.items() if v != BLOCK_DEFAULTS[k]})
+    if "cls_embedder.proj.weight" in sd:  # REG's class token: its entry maps the encoder's width to hidden
+        cfg["class_token_dim"] = sd["cls_embedder.proj.weight"].shape[1]
     named = [
         c for c in NAMED_CONFIGS.values() if (c["depth"], c["hidden_size"], c["patch_size"]) == (depth, hidden, patch)
     ]

@@ -39,8 +39,9 @@ from ..diffusion import DDPMObjective, objective_from_record
 from ..latents import LatentTransform, legacy_transform, transform_of
 from ..sampling.schedulers import DiffusersSampler, build_scheduler, can_threshold
 from ..vae import DEFAULT_SCALE_FACTOR, DEFAULT_VAE, is_pixel_space
-from .architecture import dit_config_of, export_args, recorded_vae
+from .architecture import dit_config_of, export_args, infer_dit_config, recorded_vae
 from .diffusers_format import (
+    _ARCH_REASON_HINT,
     INFO_FILE,
     METADATA_KEY,
     WEIGHT_FILE,
@@ -279,6 +280,13 @@ def export_diffusers(
     """
     import diffusers
 
+    token_dim = infer_dit_config(ckpt.weights(weights), f"'{ckpt.path}'").get("class_token_dim")
+    if token_dim:  # before the objective: this is what no DiTPipeline can hold, whatever it samples with
+        raise NotExpressibleError(
+            f"'{ckpt.path}' has REG's class token (class_token_dim {token_dim}: cls_embedder and "
+            "final_layer.linear_cls), which diffusers' DiTTransformer2DModel has no place for: "
+            f"{_ARCH_REASON_HINT}"
+        )
     objective = objective_from_record(ckpt.args)
     if objective is not None and not objective.takes_epsilon_schedulers:
         raise NotExpressibleError(

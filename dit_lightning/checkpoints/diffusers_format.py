@@ -187,6 +187,11 @@ def inexpressible(cfg: dict[str, Any]) -> list[str]:
     for key, part in lightning.items():
         if cfg.get(key, BLOCK_DEFAULTS[key]) != BLOCK_DEFAULTS[key]:
             reasons.append(f"it has LightningDiT's {part}, which diffusers' DiT blocks have no setting for")
+    if cfg.get("class_token_dim"):
+        reasons.append(
+            f"it has REG's class token (class_token_dim {cfg['class_token_dim']}: cls_embedder and "
+            "final_layer.linear_cls), which DiTTransformer2DModel has no place for"
+        )
     if float(cfg.get("class_dropout_prob", 0.1)) <= 0:
         reasons.append("its label table has no null-class row (class_dropout_prob 0); diffusers always has one")
     return reasons

@@ -133,6 +133,13 @@ def _from_lightning(path: str, ckpt: dict[str, Any], fmt: Format) -> DiTCheckpoi
     return DiTCheckpoint(path, fmt, model, ema or None, dict(hp) if isinstance(hp, dict) else {}, state, meta)
 
 
+def _from_reg_if_reg(ckpt: DiTCheckpoint) -> DiTCheckpoint:
+    """REG's SiT weights (its ``cls_projectors2``) as this project's DiT's (:mod:`.reg`); others as they are."""
+    from .reg import from_reg, is_reg_state_dict
+
+    return from_reg(ckpt) if is_reg_state_dict(ckpt.model) else ckpt
+
+
 def _dit_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
     """The optimiser state of the DiT's weights alone: a REPA run's projector trains in a second
     parameter group, which is no part of the network (nor of its reference checkpoint)."""
@@ -189,7 +196,7 @@ def _read(path: Path, tmp_dir: Optional[Union[str, Path]]) -> DiTCheckpoint:
         args = ckpt.get("args")
         args = vars(args) if isinstance(args, argparse.Namespace) else args
         ema = ckpt.get("ema")
-        return DiTCheckpoint(
+        read = DiTCheckpoint(
             str(path),
             "reference",
             clean_state_dict(ckpt["model"]),
@@ -197,6 +204,7 @@ def _read(path: Path, tmp_dir: Optional[Union[str, Path]]) -> DiTCheckpoint:
             dict(args) if isinstance(args, dict) else {},
             ckpt.get("opt") if isinstance(ckpt.get("opt"), dict) else None,
         )
+        return _from_reg_if_reg(read)
     if "pos_embed" in ckpt or any(k.startswith("blocks.") for k in ckpt):  # raw (released) weights
         from .sidecar import read_sidecar
 
@@ -204,7 +212,7 @@ def _read(path: Path, tmp_dir: Optional[Union[str, Path]]) -> DiTCheckpoint:
         sidecar, note = read_sidecar(path)  # `export --format raw` records the architecture beside the file
         if note:
             warnings.warn(note, stacklevel=2)
-        return DiTCheckpoint(str(path), "raw", sd, sd, sidecar or {})
+        return _from_reg_if_reg(DiTCheckpoint(str(path), "raw", sd, sd, sidecar or {}))
     raise ValueError(
         f"checkpoint '{path}' is not a DiT checkpoint: expected a raw DiT state dict, "
         f"{{model, ema, opt, args}} or a Lightning checkpoint; found keys {sorted(ckpt)[:8]}"

@@ -37,6 +37,7 @@ from . import store as st
 from .digits import digits_spec, prepare_digits
 from .extract import (
     PIXEL_VAE,
+    REPA_CLASS_TOKEN,
     REPA_FEATURES,
     REPA_FIXES,
     Channels,
@@ -67,7 +68,8 @@ class LatentBatchDataset(Dataset):
     posterior sample (variant "moments" and ``sample_posterior``), both keyed by
     (seed, epoch, index). ``train=False``: posterior mean, unflipped image.
     ``repa`` (and a store with REPA features): the batch also holds ``repa``, the encoder's
-    features of the very flip ``x`` holds, float32 (B, T, D).
+    features of the very flip ``x`` holds, float32 (B, T, D), and, when the store holds the
+    encoder's class token too, ``repa_class_token``, float32 (B, D), of the same flip.
     """
 
     def __init__(
@@ -81,9 +83,12 @@ class LatentBatchDataset(Dataset):
     ) -> None:
         self.store = store if isinstance(store, st.LatentStore) else st.LatentStore(store)
         self.repa_shape: Optional[tuple[int, int]] = None  # (T, D) when batches carry features
+        self.class_token_dim: Optional[int] = None  # D when they carry the class token too
         features = self.store.features.get(REPA_FEATURES)
         if repa and features is not None:
             self.repa_shape = (features.tokens, features.dim)
+            token = self.store.features.get(REPA_CLASS_TOKEN)
+            self.class_token_dim = token.dim if token is not None else None
         self.train, self.seed = train, int(seed)
         self.random_flip = random_flip and train and self.store.num_flips > 1
         self.sample_posterior = sample_posterior and train and self.store.variant == "moments"
@@ -96,10 +101,12 @@ class LatentBatchDataset(Dataset):
         if self.scale == 1.0 and (set(a) != {1.0} or any(b)):
             self._affine = (np.asarray(a, np.float32)[:, None], np.asarray(b, np.float32)[:, None])
         self._kernel: Optional[NoiseKernel] = None
-        # (slots, micro_batch * (C*H*W + T*D)) float32 in shared memory, set by BatchDataLoader: x
-        # first, the REPA features from column ``pool_repa_offset`` on
+        # (slots, micro_batch * (C*H*W + T*D + D)) float32 in shared memory, set by BatchDataLoader: x
+        # first, the REPA features from column ``pool_repa_offset`` on, the class tokens from
+        # ``pool_token_offset`` on
         self.pool: Optional[torch.Tensor] = None
         self.pool_repa_offset = 0
+        self.pool_token_offset = 0
 
     def __len__(self) -> int:
         return len(self.store)
@@ -118,6 +125,11 @@ class LatentBatchDataset(Dataset):
         """Feature values per sample in a batch (T*D), 0 without features."""
         return int(np.prod(self.repa_shape)) if self.repa_shape is not None else 0
 
+    @property
+    def token_numel(self) -> int:
+        """Class-token values per sample in a batch (D), 0 without them."""
+        return self.class_token_dim or 0
+
     def __getitem__(self, request: Union[BatchRequest, np.ndarray]) -> dict[str, Any]:
         if not isinstance(request, BatchRequest):
             request = BatchRequest(np.asarray(request, dtype=np.int64).reshape(-1), 0)
@@ -131,7 +143,9 @@ class LatentBatchDataset(Dataset):
             out = row[: B * self.sample_numel].reshape(B, -1)
             off = self.pool_repa_offset
             out_repa = row[off : off + B * self.repa_numel].reshape(B, -1) if self.repa_shape else None
-            x, y, idx, _ = self._compute(request.indices, request.epoch, out, out_repa)
+            off = self.pool_token_offset
+            out_token = row[off : off + B * self.token_numel].reshape(B, -1) if self.class_token_dim else None
+            x, y, idx, _, _ = self._compute(request.indices, request.epoch, out, out_repa, out_token)
             return {"slot": request.slot, "n": B, "y": y, "index": idx}
         return self.get_batch(request.indices, request.epoch)
 
@@ -141,7 +155,8 @@ class LatentBatchDataset(Dataset):
         epoch: int,
         out: Optional[np.ndarray] = None,
         out_repa: Optional[np.ndarray] = None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        out_token: Optional[np.ndarray] = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
         idx = np.asarray(indices, dtype=np.int64)
         store = self.store
         B = len(idx)
@@ -154,6 +169,12 @@ class LatentBatchDataset(Dataset):
                 out_repa = np.empty((B, self.repa_numel), np.float32)
             np.copyto(out_repa.reshape(B, *self.repa_shape), store.read_features(REPA_FEATURES, idx, flip=flip))
             repa = out_repa
+        token = None
+        if self.class_token_dim is not None:  # the class token of the same flip, (B, 1, D) read as (B, D)
+            if out_token is None:
+                out_token = np.empty((B, self.class_token_dim), np.float32)
+            np.copyto(out_token.reshape(B, 1, -1), store.read_features(REPA_CLASS_TOKEN, idx, flip=flip))
+            token = out_token
         if out is None:
             out = np.empty((B, self.sample_numel), np.float32)
         if self.sample_posterior:
@@ -170,11 +191,11 @@ class LatentBatchDataset(Dataset):
             per_channel = out.reshape(B, self._affine[0].shape[0], -1)  # a view: (B, C, H*W)
             per_channel *= self._affine[0]
             per_channel += self._affine[1]
-        return out, store.labels[idx], idx.copy(), repa
+        return out, store.labels[idx], idx.copy(), repa, token
 
     def get_batch(self, indices: np.ndarray, epoch: int = 0) -> dict[str, torch.Tensor]:
         """Read and augment one batch (``indices`` preferably sorted: then no reordering copy)."""
-        x, y, idx, repa = self._compute(indices, epoch)
+        x, y, idx, repa, token = self._compute(indices, epoch)
         batch = {
             "x": torch.from_numpy(x.reshape(len(idx), *self.store.latent_shape)),
             "y": torch.from_numpy(y),
@@ -182,6 +203,8 @@ class LatentBatchDataset(Dataset):
         }
         if repa is not None and self.repa_shape is not None:
             batch["repa"] = torch.from_numpy(repa.reshape(len(idx), *self.repa_shape))
+        if token is not None:
+            batch["repa_class_token"] = torch.from_numpy(token)
         return batch
 
 
@@ -300,9 +323,12 @@ class _CopyOut:
         pin: bool,
         repa_shape: Optional[tuple[int, int]] = None,
         repa_offset: int = 0,
+        token_dim: Optional[int] = None,
+        token_offset: int = 0,
     ) -> None:
         self._it, self._shape, self._pin = it, shape, pin
         self._repa_shape, self._repa_offset = repa_shape, repa_offset
+        self._token_dim, self._token_offset = token_dim, token_offset
         self._pool_np = pool.numpy()
 
     def __iter__(self) -> _CopyOut:
@@ -326,6 +352,11 @@ class _CopyOut:
             a = self._repa_offset
             np.copyto(repa.numpy().reshape(-1), self._pool_np[r["slot"], a : a + repa.numel()])
             batch["repa"] = repa
+        if self._token_dim is not None:
+            token = torch.empty((n, self._token_dim), dtype=torch.float32, pin_memory=self._pin)
+            a = self._token_offset
+            np.copyto(token.numpy().reshape(-1), self._pool_np[r["slot"], a : a + token.numel()])
+            batch["repa_class_token"] = token
         return batch
 
     def __getattr__(self, name: str) -> Any:
@@ -376,13 +407,15 @@ class BatchDataLoader(DataLoader):
             # abandoned iterator may still be writing into theirs.)
             slots = self.num_workers * (self.prefetch_factor or 2) + 2
             b = sampler.micro_batch_size
-            ds.pool = torch.empty((slots, b * (ds.sample_numel + ds.repa_numel)), dtype=torch.float32)
+            ds.pool = torch.empty((slots, b * (ds.sample_numel + ds.repa_numel + ds.token_numel)), dtype=torch.float32)
             ds.pool.share_memory_()
             ds.pool_repa_offset = b * ds.sample_numel  # features after x (set before the workers start)
+            ds.pool_token_offset = b * (ds.sample_numel + ds.repa_numel)  # class tokens after the features
             sampler.num_slots = slots
         it = super().__iter__()
         shape = tuple(ds.store.latent_shape)
-        return _CopyOut(it, ds.pool, shape, self._pin_out, ds.repa_shape, ds.pool_repa_offset)  # type: ignore[arg-type]
+        token = (ds.class_token_dim, ds.pool_token_offset)
+        return _CopyOut(it, ds.pool, shape, self._pin_out, ds.repa_shape, ds.pool_repa_offset, *token)  # type: ignore[arg-type]
 
 
 class LatentDataLoader(BatchDataLoader):
@@ -479,7 +512,8 @@ class LatentDataModule(L.LightningDataModule):
     "index": int64 (B,) global sample indices}``, plus ``"repa"``: float32 (B, T, D), the REPA
     encoder's patch features of the very flip ``x`` holds, when the store has features
     (``extract --repa_encoder``; :attr:`repa_spec` says which encoder made them) and
-    ``repa_features``.
+    ``repa_features``; and ``"repa_class_token"``: float32 (B, D), the encoder's class token of
+    the same flip (REG's target), when the store holds it too.
 
     Args:
         path: Store directory.
@@ -516,7 +550,8 @@ class LatentDataModule(L.LightningDataModule):
             ranks). Opening a store always checks the files' sizes and its commit records against
             the index (an inconsistent store is refused); ``dit-lightning verify`` does all of
             this without training.
-        repa_features: Add the store's REPA features to the batches (``batch["repa"]``) when it has
+        repa_features: Add the store's REPA features to the batches (``batch["repa"]``, and
+            ``batch["repa_class_token"]`` when it holds the encoder's class token) when it has
             them; False: leave them out (REPA then computes them online, or is off). With True, a
             REPA run on a store whose features pass stopped half-way is refused
             (:attr:`repa_unfinished`) rather than computing them online unawares.
@@ -569,6 +604,7 @@ class LatentDataModule(L.LightningDataModule):
         self.drop_last = drop_last
         self.repa_features = bool(repa_features)
         self._repa: Optional[st.FeatureSpec] = None  # the store's REPA features (known once it is opened)
+        self._repa_token: Optional[st.FeatureSpec] = None  # and its encoder's class token
         self._repa_unfinished: Optional[str] = None  # why a features pass's features are not used
         # The store opened to read the spec (index and shard sizes checked), kept for setup().
         self._opened: Optional[st.LatentStore] = None
@@ -613,6 +649,7 @@ class LatentDataModule(L.LightningDataModule):
                 f"{self.path}` lists every problem, checksums included.)"
             )
         self._repa = store.features.get(REPA_FEATURES)
+        self._repa_token = store.features.get(REPA_CLASS_TOKEN)
         self._repa_unfinished = unfinished_repa_features(store) if self.repa_features else None
         return store
 
@@ -644,12 +681,16 @@ class LatentDataModule(L.LightningDataModule):
     def repa_spec(self) -> Optional[dict[str, Any]]:
         """The REPA encoder whose features the batches carry (``batch["repa"]``), or None (no features in
         the store, or ``repa_features=False``): ``encoder``, ``weights`` (file name), ``weights_sha256``,
-        ``image_size``, ``tokens``, ``dim``, ``dtype``, ``key``, as ``meta.json`` records them. Known
+        ``image_size``, ``tokens``, ``dim``, ``dtype``, ``key``, as ``meta.json`` records them; and
+        ``class_token``, the record of the encoder's class token (``batch["repa_class_token"]``, the
+        same fields; ``tokens`` 1) when the store holds it (REG's target), absent otherwise. Known
         from construction for an existing store; for a digits store built by ``prepare_data``, after
         ``setup``."""
         if not self.repa_features or self._repa is None:
             return None
-        return self._repa.to_json()
+        if self._repa_token is None:
+            return self._repa.to_json()
+        return {**self._repa.to_json(), "class_token": self._repa_token.to_json()}
 
     @property
     def repa_unfinished(self) -> Optional[str]:

@@ -13,9 +13,11 @@ Runs on the GPU when there is one (``device="auto"``); the VAE stays in float32 
 
 With ``--repa_encoder`` (and its local ``--repa_weights``) every shard also stores the frozen REPA
 encoder's patch features of each image and of its flip (``shard-KKKKK.repa.npy``), computed on the
-very image the VAE encodes. On a store whose latents are all written, the same command computes only
-the features (:func:`extract_features`): from the stored pixels of a pixel store, from the images
-(``--image_root``, checked against the store's fingerprint) of a VAE store.
+very image the VAE encodes, and, for an encoder with a class token, that token from the same pass
+(``shard-KKKKK.repa_class_token.npy``: REG's target). On a store whose latents are all written, the
+same command computes only the features (:func:`extract_features`): from the stored pixels of a
+pixel store, from the images (``--image_root``, checked against the store's fingerprint) of a VAE
+store; a store whose patch features predate class tokens gets only the class tokens added.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import hashlib
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -235,6 +237,9 @@ def _pixels(x: torch.Tensor, spec: st.StoreSpec) -> np.ndarray:
 
 # The store's feature set of the REPA encoder's patch features (repa.json, shard-KKKKK.repa.npy).
 REPA_FEATURES = "repa"
+# The feature set of the same encoder's class token (REG's target), written in the same pass as the
+# patch features by an encoder that has one: one 1 x D row per image and flip.
+REPA_CLASS_TOKEN = "repa_class_token"
 
 
 def repa_feature_spec(identity: EncoderIdentity, weights: Optional[str], tokens: int, dim: int) -> st.FeatureSpec:
@@ -244,6 +249,12 @@ def repa_feature_spec(identity: EncoderIdentity, weights: Optional[str], tokens:
     return st.FeatureSpec(
         REPA_FEATURES, identity.store_record(weights), tokens, dim, key=identity.features_key(tokens, dim)
     )
+
+
+def repa_class_token_spec(identity: EncoderIdentity, weights: Optional[str], dim: int) -> st.FeatureSpec:
+    """The store's record of the class token of the encoder ``identity``: the same source as its patch
+    features (:func:`repa_feature_spec`), one token of width ``dim``."""
+    return st.FeatureSpec(REPA_CLASS_TOKEN, identity.store_record(weights), 1, dim, key=identity.features_key(1, dim))
 
 
 def repa_extract_command(root: str, plan: st.StoreSpec, source: Mapping[str, Any]) -> str:
@@ -265,7 +276,7 @@ def _repa_fix(root: str, plan: st.StoreSpec, features: st.FeatureSpec) -> str:
 
 
 # The remedies the store's messages give for a broken REPA features file (LatentStore's ``fixes``).
-REPA_FIXES: dict[str, st.FeaturesFix] = {REPA_FEATURES: _repa_fix}
+REPA_FIXES: dict[str, st.FeaturesFix] = {REPA_FEATURES: _repa_fix, REPA_CLASS_TOKEN: _repa_fix}
 
 
 def unfinished_repa_features(store: st.LatentStore) -> Optional[str]:
@@ -285,13 +296,26 @@ def unfinished_repa_features(store: st.LatentStore) -> Optional[str]:
 
 
 class _Repa:
-    """The REPA encoder of one extraction: its store record (the ``repa`` feature set) and, loaded
-    only when features are left to compute, the encoder itself."""
+    """The REPA encoder of one extraction: its store records (the ``repa`` feature set and, for an
+    encoder with a class token, ``repa_class_token``) and, loaded only when features are left to
+    compute, the encoder itself."""
 
-    def __init__(self, spec: st.FeatureSpec, options: Any, dev: torch.device, encoder: Optional[FrozenEncoder]) -> None:
-        self.spec, self.options, self.dev = spec, options, dev
+    def __init__(
+        self,
+        spec: st.FeatureSpec,
+        token: Optional[st.FeatureSpec],
+        options: Any,
+        dev: torch.device,
+        encoder: Optional[FrozenEncoder],
+    ) -> None:
+        self.spec, self.token, self.options, self.dev = spec, token, options, dev
         self._encoder = encoder
         self._placed = False
+
+    @property
+    def sets(self) -> list[st.FeatureSpec]:
+        """The feature sets one encoder pass writes: the patch features, then the class token."""
+        return [self.spec] if self.token is None else [self.spec, self.token]
 
     @property
     def encoder(self) -> FrozenEncoder:
@@ -304,14 +328,27 @@ class _Repa:
         return self._encoder
 
     @torch.inference_mode()
-    def features(self, images: torch.Tensor) -> np.ndarray:
-        """(n, F, T, D) float16 features of images in [0, 1], (n, F, C, H, W)."""
+    def features(self, images: torch.Tensor) -> list[np.ndarray]:
+        """The float16 values of :attr:`sets` for images in [0, 1], (n, F, C, H, W), from one encoder
+        pass: the patch features (n, F, T, D), then the class token (n, F, 1, D)."""
         n, f = images.shape[:2]
-        z = self.encoder(images.to(self.dev, non_blocking=True).flatten(0, 1))
+        z, token = self.encoder.encode(images.to(self.dev, non_blocking=True).flatten(0, 1))
         want = (self.spec.tokens, self.spec.dim)
         if tuple(z.shape[1:]) != want:
             raise RuntimeError(f"the REPA encoder gave features {tuple(z.shape[1:])}, the store records {want}")
-        return z.reshape(n, f, *want).to(torch.float16).cpu().numpy()
+        out = [z.reshape(n, f, *want)]
+        if self.token is not None:
+            if token is None or tuple(token.shape[1:]) != (self.token.dim,):
+                got = "none" if token is None else f"one of width {token.shape[-1]}"
+                raise RuntimeError(
+                    f"the REPA encoder gave {got} as its class token, the store records {self.token.dim}"
+                )
+            out.append(token.reshape(n, f, 1, self.token.dim))
+        return [v.to(torch.float16).cpu().numpy() for v in out]
+
+    def empty(self, spec: st.StoreSpec) -> list[np.ndarray]:
+        """The values of :attr:`sets` for a shard without images."""
+        return [np.zeros((0, spec.num_flips, fs.tokens, fs.dim), np.float16) for fs in self.sets]
 
 
 def _repa_identity(options: REPAOptions) -> tuple[EncoderIdentity, Optional[str]]:
@@ -364,23 +401,34 @@ def _setup_repa(output: str, spec: st.StoreSpec, options: Any, dev: torch.device
 
     identity, weights = _repa_identity(options)
     old = st.load_features_plan(output, REPA_FEATURES)
-    if old is not None:
-        wrong = EncoderIdentity.from_record(old.source).differences(identity)
+    old_token = st.load_features_plan(output, REPA_CLASS_TOKEN)
+    planned = [p for p in (old, old_token) if p is not None]
+    for plan in planned:
+        wrong = EncoderIdentity.from_record(plan.source).differences(identity)
         if wrong:  # each names the asked encoder, then "this one": the store's
+            parts = [f for p in planned for f in (p.plan_file, f"shards/*.{p.name}.npy")]
+            files = ", ".join(parts[:-1]) + " and " + parts[-1]
             raise st.StoreError(
                 f"{output} already holds REPA features of another encoder than the one asked: "
                 + "; ".join(wrong).replace("this one", "the store's")
                 + f". Features of two encoders are never mixed: extract with the store's settings "
-                f"(`{repa_extract_command(output, spec, old.source)}`), or delete {old.plan_file} and "
-                f"shards/*.{REPA_FEATURES}.npy in the store to replace its features"
+                f"(`{repa_extract_command(output, spec, plan.source)}`), or delete {files} in the store to "
+                "replace its features"
             )
-        return _Repa(old, options, dev, None)
+    if old is not None and old_token is not None:
+        return _Repa(old, old_token, options, dev, None)
     from ..models.encoders import feature_shape, load_encoder
 
+    # Loaded to read the features' shape, or whether it has a class token: a store whose patch features
+    # were written before class tokens were stored gets them from the same encoder (REG's target).
     encoder = load_encoder(options, trusted=True)  # --repa_encoder: the user's choice (a store's is only compared)
-    tokens, dim = feature_shape(encoder, _image_shape(spec))
-    features = repa_feature_spec(identity, weights, tokens, dim)
-    return _Repa(st.write_features_plan(output, features), options, dev, encoder)
+    if old is None:
+        tokens, dim = feature_shape(encoder, _image_shape(spec))
+        old = st.write_features_plan(output, repa_feature_spec(identity, weights, tokens, dim))
+    token = None
+    if encoder.has_class_token:  # the same output tensor as the patches: the same width
+        token = st.write_features_plan(output, repa_class_token_spec(identity, weights, old.dim))
+    return _Repa(old, token, options, dev, encoder)
 
 
 def _check_fingerprint(image_root: str, spec: st.StoreSpec) -> None:
@@ -488,9 +536,21 @@ class _LogLines:
         )
 
 
-def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
-    """Compute and commit the features of the committed ``shards`` (shard by shard: a kill loses at
-    most the shard in progress; the test hook of ``EXIT_AFTER_ENV`` counts features shards here)."""
+def _missing_sets(job: _FeaturesJob) -> dict[int, list[int]]:
+    """Shard -> the positions in ``job.repa.sets`` of the feature sets the committed shard lacks (a
+    store whose patch features predate its class tokens lacks only those), for the shards that lack one."""
+    missing: dict[int, list[int]] = {}
+    for i, fs in enumerate(job.repa.sets):
+        for k in st.features_status(job.output, fs, job.spec)[1]:
+            missing.setdefault(k, []).append(i)
+    return dict(sorted(missing.items()))
+
+
+def _features_pass(job: _FeaturesJob, shards: Mapping[int, list[int]]) -> None:
+    """Compute and commit the feature sets ``shards`` lack (shard -> positions in ``repa.sets``) of
+    the committed shards: one encoder pass per batch, every lacking set of a shard committed together
+    (shard by shard: a kill loses at most the shard in progress; the test hook of ``EXIT_AFTER_ENV``
+    counts features shards here)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     output, spec, repa, stats = job.output, job.spec, job.repa, job.stats
@@ -498,7 +558,7 @@ def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
     counts = {k: int(r["count"]) if r else 0 for k, r in records.items()}
     sources = {k: list(r["sources"]) if r else [] for k, r in records.items()}
     exit_after, exit_mid = _exit_plan()
-    pending: list[np.ndarray] = []
+    pending: list[list[np.ndarray]] = []
     lines = _LogLines(f"extract features rank {job.label}", sum(counts.values()), job.show)
     with Progress(
         TextColumn(f"[bold]features[/] rank {job.label}"),
@@ -510,7 +570,7 @@ def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
     ) as bar:
         task = bar.add_task("features", total=sum(counts.values()))
         read = (job.batch_size, job.num_workers, job.dev)
-        for k, images in _shard_images(output, spec, job.image_root, shards, counts, sources, *read):
+        for k, images in _shard_images(output, spec, job.image_root, list(shards), counts, sources, *read):
             stop_point()  # (dit_lightning.signals)
             if images is not None:
                 pending.append(repa.features(images))
@@ -520,9 +580,9 @@ def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
             hook = None
             if exit_after is not None and exit_mid and stats["features_written"] == exit_after:
                 hook = lambda: os._exit(17)  # noqa: E731
-            shape = (0, spec.num_flips, repa.spec.tokens, repa.spec.dim)
-            features = np.concatenate(pending) if pending else np.zeros(shape, np.float16)
-            st.write_features(output, k, spec, repa.spec, features, after_data_hook=hook)
+            values = [np.concatenate(v) for v in zip(*pending)] if pending else repa.empty(spec)
+            todo = [(repa.sets[i], values[i]) for i in shards[k]]
+            st.write_features(output, k, spec, *todo[0], after_data_hook=hook, also=todo[1:])
             pending = []
             stats["features_written"] += 1
             stats["features_images"] += counts[k]
@@ -530,17 +590,17 @@ def _features_pass(job: _FeaturesJob, shards: list[int]) -> None:
                 os._exit(17)
 
 
-def _finalize_if_done(output: str, spec: st.StoreSpec, repa: Optional[st.FeatureSpec]) -> bool:
-    """Write the index once every shard (and, with ``repa``, its features) is committed and the index
-    does not say so yet; whether the store is complete."""
+def _finalize_if_done(output: str, spec: st.StoreSpec, sets: Sequence[st.FeatureSpec] = ()) -> bool:
+    """Write the index once every shard (and its feature ``sets``) is committed and the index does
+    not say so yet; whether the store is complete."""
     if st.shard_status(output, spec)[1]:
         return False
-    if repa is not None and st.features_status(output, repa, spec)[1]:
+    if any(st.features_status(output, fs, spec)[1] for fs in sets):
         return False
     try:
         current = st.LatentStore(output)
-        indexed = current.features.get(REPA_FEATURES)
-        fresh = repa is None or (indexed is not None and indexed.key == repa.key)
+        indexed = [current.features.get(fs.name) for fs in sets]
+        fresh = all(old is not None and old.key == fs.key for old, fs in zip(indexed, sets))
     except (st.StoreError, OSError, ValueError):
         fresh = False
     if not fresh:
@@ -562,7 +622,8 @@ def extract_features(
     finalize: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Add a frozen REPA encoder's patch features to a store whose latents are all written.
+    """Add a frozen REPA encoder's patch features (and its class token, for an encoder with one) to a
+    store whose latents are all written; to a store with the patch features only, its class tokens.
 
     Shard by shard, resumable (rerun: it continues; the same bytes as an uninterrupted run) and
     data-parallel like :func:`extract_latents` (which calls this when its latents are done). A pixel
@@ -624,7 +685,7 @@ def extract_features(
     show = progress and local_rank == 0
     job = _FeaturesJob(output, spec, repa, image_root, batch_size, num_workers, dev, show, stats, rank, world_size)
     mine = _run_features(job)
-    finalized = _finalize_if_done(output, spec, repa.spec) if finalize else False
+    finalized = _finalize_if_done(output, spec, repa.sets) if finalize else False
     seconds = time.perf_counter() - t0
     summary = {
         "output": output,
@@ -632,6 +693,7 @@ def extract_features(
         "world_size": world_size,
         "device": str(dev),
         "repa": repa.spec.to_json(),
+        "repa_class_token": repa.token.to_json() if repa.token is not None else None,
         "shards_total": spec.num_shards,
         "features_written": stats["features_written"],
         "features_already_done": sum(1 for k in range(spec.num_shards) if k % world_size == rank) - len(mine),
@@ -642,25 +704,25 @@ def extract_features(
     if progress:
         from rich.console import Console
 
+        token = " and its class token" if repa.token is not None else ""
         Console(stderr=True).print(
             f"[bold]features[/] rank {rank}/{world_size} on {dev}: {repa.spec.source['encoder']} ({repa.spec.tokens}x"
-            f"{repa.spec.dim} per image and flip) of {stats['features_images']} images in {stats['features_written']} "
-            f"shards ({summary['features_already_done']} already done) in {seconds:.1f}s; "
+            f"{repa.spec.dim} per image and flip{token}) of {stats['features_images']} images in "
+            f"{stats['features_written']} shards ({summary['features_already_done']} already done) in {seconds:.1f}s; "
             + ("store finalised with its features" if finalized else "not finalised yet (other shards pending)")
         )
     return summary
 
 
 def _run_features(job: _FeaturesJob) -> list[int]:
-    """The features pass over this rank's shards that lack them, with stop handling (a signal drops
-    only the shard in progress); the shards it did."""
-    _, missing = st.features_status(job.output, job.repa.spec, job.spec)
-    shards = [k for k in missing if k % job.world_size == job.rank]
+    """The features pass over this rank's shards that lack them (any of the sets), with stop handling
+    (a signal drops only the shard in progress); the shards it did."""
+    shards = {k: sets for k, sets in _missing_sets(job).items() if k % job.world_size == job.rank}
     if not shards:
-        return shards
+        return []
 
     def stopped() -> str:
-        have = len(st.features_status(job.output, job.repa.spec, job.spec)[0])
+        have = job.spec.num_shards - len(_missing_sets(job))
         return (
             f"{have} of {job.spec.num_shards} shards of {job.output} have their REPA features (each whole); run "
             "the same command again to resume from there"
@@ -668,7 +730,7 @@ def _run_features(job: _FeaturesJob) -> list[int]:
 
     with safe_points(), on_stop(stopped):
         _features_pass(job, shards)
-    return shards
+    return list(shards)
 
 
 def extract_latents(
@@ -740,11 +802,11 @@ def extract_latents(
             that is provably a store written by this tool (and holds nothing else, and not the
             images) is deleted, and only after the images and the VAE have been checked.
         progress: Show a rich progress bar (on local rank 0).
-        repa_encoder: Also store this frozen REPA encoder's patch features of every image and flip
-            (``model.repa.encoder``'s names: ``dinov2-vitb14``, a timm name, a ``save_pretrained``
-            directory, a class path). On a store whose latents are all written only the features are
-            computed (:func:`extract_features`; ``image_root`` is then only needed for VAE stores, and
-            the other settings are the store's).
+        repa_encoder: Also store this frozen REPA encoder's patch features of every image and flip,
+            and its class token when it has one (``model.repa.encoder``'s names: ``dinov2-vitb14``, a
+            timm name, a ``save_pretrained`` directory, a class path). On a store whose latents are all
+            written only the features are computed (:func:`extract_features`; ``image_root`` is then
+            only needed for VAE stores, and the other settings are the store's).
         repa_weights: The encoder's local weights file (nothing is downloaded).
         repa_image_size: The encoder's input side; unset: its own (224 for DINOv2).
         channels: Pixel stores: ``auto`` (1 when every image of the folder is stored grey, PIL mode
@@ -941,7 +1003,7 @@ def extract_latents(
 
     finalized = False
     meta_count = None
-    if finalize and _finalize_if_done(output, spec, repa.spec if repa is not None else None):
+    if finalize and _finalize_if_done(output, spec, repa.sets if repa is not None else ()):
         finalized = True
         meta_count = st.store_info(output)["count"]
     seconds = time.perf_counter() - t0
@@ -1045,7 +1107,7 @@ def _encode_shards(
                 if repa is not None:
                     # the very image the VAE encoded, in [0, 1], and its mirror (flip 1, as for the latents)
                     x = (batch["x"] + 1) / 2
-                    pending["features"].append(
+                    pending["features"].append(  # the patch features and the class token, one pass
                         repa.features(torch.stack([x, x.flip(-1)], 1) if spec.flips else x[:, None])
                     )
                 pending["labels"].extend(labels[it["i"]] for it in ok)
@@ -1066,12 +1128,11 @@ def _encode_shards(
                     if pending["data"]
                     else np.zeros((0, *spec.sample_shape), spec.np_dtype)
                 )
-                features = None
+                features: list[tuple[st.FeatureSpec, np.ndarray]] = []
                 if repa is not None:
-                    shape = (0, spec.num_flips, repa.spec.tokens, repa.spec.dim)
-                    features = (
-                        np.concatenate(pending["features"]) if pending["features"] else np.zeros(shape, np.float16)
-                    )
+                    found = pending["features"]
+                    values = [np.concatenate(v) for v in zip(*found)] if found else repa.empty(spec)
+                    features = list(zip(repa.sets, values))
                 st.write_shard(
                     output,
                     current,
@@ -1081,7 +1142,7 @@ def _encode_shards(
                     pending["sources"],
                     pending["report"],
                     after_data_hook=hook,
-                    features=[(repa.spec, features)] if repa is not None and features is not None else (),
+                    features=features,
                 )
                 stats["shards_written"] += 1
                 if exit_after is not None and not exit_mid and stats["shards_written"] == exit_after:

@@ -479,18 +479,21 @@ def write_features(
     features: FeatureSpec,
     values: np.ndarray,
     after_data_hook: Any = None,
+    also: Sequence[tuple[FeatureSpec, np.ndarray]] = (),
 ) -> dict[str, Any]:
     """Add a feature set's values to the committed shard ``k``: its file, then the shard's commit
     record rewritten (atomically) with the set's entry. Until that rewrite the file does not count,
-    so a kill in between only costs its recomputation."""
+    so a kill in between only costs its recomputation. ``also``: more (feature set, values) pairs
+    committed by the same rewrite (sets computed together count together)."""
     root = os.fspath(root)
     record = read_shard_record(root, k)
     if record is None:
         raise IncompleteStoreError(f"shard {k} of {root} is not written: features are added to committed shards only")
-    entry = _save_features(root, k, spec, features, values, int(record["count"]))
+    n = int(record["count"])
+    entries = {fs.name: _save_features(root, k, spec, fs, v, n) for fs, v in [(features, values), *also]}
     if after_data_hook is not None:
         after_data_hook()  # test hook: simulate a crash between the features and the commit record
-    record = {**record, features.name: entry}
+    record = {**record, **entries}
     write_json(_shard_paths(root, k)[2], record, indent=1)
     return record
 

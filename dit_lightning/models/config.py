@@ -29,6 +29,7 @@ ARCH_KEYS = (
     "mlp",
     "pos_embed",
     "wo_shift",
+    "class_token_dim",
 )
 # The block options at DiT's own values: a record leaves them out (records of DiT's block stay as they were).
 BLOCK_DEFAULTS: dict[str, Any] = {"norm": "layernorm", "mlp": "gelu", "pos_embed": "sincos", "wo_shift": False}
@@ -95,6 +96,8 @@ def model_config(model: DiT) -> dict[str, Any]:
     if attn is not None and attn.num_heads * attn.head_dim != model.hidden_size:
         cfg["attn_dim"] = int(attn.num_heads * attn.head_dim)
     cfg.update(options)
+    if model.class_token_dim is not None:  # REG's class token (a record without it: none)
+        cfg["class_token_dim"] = model.class_token_dim
     return cfg
 
 

@@ -9,6 +9,9 @@ from a tracing counter whose treatment of a few small ops differs slightly).
 LightningDiT's block options count as built: SwiGLU's three matrices (``w12``: D -> 2m, ``w3``:
 m -> D, with m = int(2/3 * int(D * mlp_ratio))), RMSNorm's gains (D per norm), adaLN without
 shifts (4D outputs, not 6D). Rope and RMSNorm are elementwise (no MACs); rope has no parameters.
+
+REG's class token (``class_token_dim`` D) is one more element of every block's sequence (1 + T
+tokens), its entry (Linear(D, hidden) and an affine LayerNorm) and its exit (Linear(hidden, D)).
 """
 
 from __future__ import annotations
@@ -40,10 +43,26 @@ class DiTShape:
     mlp: str = "gelu"
     pos_embed: str = "sincos"
     wo_shift: bool = False
+    class_token_dim: Optional[int] = None  # REG's class token of that width; None: none
 
     @property
     def tokens(self) -> int:
+        """The patch tokens T."""
         return (self.input_size // self.patch_size) ** 2
+
+    @property
+    def sequence(self) -> int:
+        """The tokens every block sees: T, and REG's class token first when there is one."""
+        return self.tokens + (1 if self.class_token_dim else 0)
+
+    @property
+    def class_token_params(self) -> tuple[int, int]:
+        """(entry, exit) parameters of REG's class token: Linear(D, hidden) + LayerNorm(hidden) with
+        weight and bias, and Linear(hidden, D); (0, 0) without it."""
+        if not self.class_token_dim:
+            return 0, 0
+        c, d = self.class_token_dim, self.hidden_size
+        return c * d + d + 2 * d, d * c + c
 
     @property
     def out_channels(self) -> int:
@@ -94,12 +113,13 @@ class DiTShape:
             mlp=getattr(model, "mlp_kind", "gelu"),
             pos_embed=getattr(model, "pos_embed_kind", "sincos"),
             wo_shift=bool(getattr(model, "wo_shift", False)),
+            class_token_dim=getattr(model, "class_token_dim", None),
         )
 
 
 def block_macs(s: DiTShape) -> int:
-    """MACs of one DiT block for one image."""
-    t, d, m, a = s.tokens, s.hidden_size, s.mlp_hidden, s.qkv_dim
+    """MACs of one DiT block for one image (over its whole sequence, REG's class token included)."""
+    t, d, m, a = s.sequence, s.hidden_size, s.mlp_hidden, s.qkv_dim
     qkv_proj = t * d * 3 * a + t * a * d
     attention = 2 * t * t * a  # QK^T and AV over all heads
     mlp = s.mlp_matrices * t * d * m
@@ -113,7 +133,8 @@ def dit_macs(s: DiTShape) -> int:
     patch_embed = t * (p * p * s.in_channels) * d
     t_embed = s.frequency_embedding_size * d + d * d
     final = d * 2 * d + t * d * (p * p * s.out_channels)
-    return patch_embed + t_embed + s.depth * block_macs(s) + final
+    token = 2 * d * s.class_token_dim if s.class_token_dim else 0  # REG's entry and exit maps
+    return patch_embed + t_embed + s.depth * block_macs(s) + final + token
 
 
 def training_flops(s: DiTShape, recomputed_blocks: int = 0) -> tuple[int, int]:
@@ -136,7 +157,7 @@ def dit_params(s: DiTShape, include_pos_embed: bool = True) -> int:
     block = (d * 3 * a + 3 * a) + (a * d + d) + mlp + (d * k * d + k * d) + 2 * s.norm_params
     final = (d * 2 * d + 2 * d) + (d * p * p * s.out_channels + p * p * s.out_channels) + s.norm_params
     pos = s.tokens * d if include_pos_embed else 0
-    return patch_embed + t_embed + y_embed + s.depth * block + final + pos
+    return patch_embed + t_embed + y_embed + s.depth * block + final + pos + sum(s.class_token_params)
 
 
 def shape_of(name: str, **overrides: Any) -> DiTShape:

@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -25,6 +25,12 @@ from ..hashing import file_sha256, tree_sha256
 from .dit import DiT
 from .encoders import FrozenEncoder, feature_shape, load_encoder
 from .repa import Projector, REPAOptions, alignment_loss
+
+# A path's point and velocity at per-sample times: (data, noise, t) -> (x_t, d x_t / dt) (the flow
+# objective's ``interpolate``; REG noises its class token on the latents' path).
+Interpolate = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+# The objective's batch-mean terms for a network function (x_t, t, **kwargs) -> output.
+DiffusionLoss = Callable[[Callable[..., Tensor]], dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,8 @@ class REPAHead:
         self.tokens: Optional[int] = None
         if options.feature_dim is None:
             encoder = self._load(options)
+            if options.class_token and not encoder.has_class_token:
+                raise self._no_class_token(options)
             self.tokens, width = feature_shape(encoder, image_shape)
             options = dataclasses.replace(options, feature_dim=width)
         # weights hashed here need no second look at first use; a recorded hash is checked then
@@ -140,6 +148,21 @@ class REPAHead:
     @property
     def coeff(self) -> float:
         return self.options.coeff
+
+    @property
+    def class_token_dim(self) -> Optional[int]:
+        """The width of REG's class token, the DiT's ``class_token_dim`` (None: REG is off): the
+        encoder's feature width, recorded as ``feature_dim`` (the class token is the first token of the
+        same output as the patch features, DINOv2's ``x_norm_clstoken``)."""
+        return self.options.feature_dim if self.options.class_token else None
+
+    @staticmethod
+    def _no_class_token(options: REPAOptions) -> ValueError:
+        return ValueError(
+            f"model.repa.class_token_weight {options.class_token_weight} (REG) needs an encoder with a class token, "
+            f"and {options.encoder} has none: use DINOv2 (dinov2-vitb14), a class-path encoder whose output starts "
+            "with its class token (class attribute prefix_tokens = 1), or set model.repa.class_token_weight 0"
+        )
 
     def attach(self, net: DiT) -> Projector:
         """Check the options against the network (its blocks and tokens) and create the projector."""
@@ -182,28 +205,62 @@ class REPAHead:
         return encoder.to(device) if device is not None else encoder
 
     def features(self, batch: Mapping[str, Tensor], decode: Any) -> Tensor:
-        """The encoder's patch features of the batch's clean images: precomputed by ``extract``
-        (``batch["repa"]``, the flip the batch holds) or computed now from ``decode(batch["x"])``."""
+        """The encoder's patch features of the batch's clean images (:meth:`targets`' first)."""
+        return self.targets(batch, decode)[0]
+
+    def targets(self, batch: Mapping[str, Tensor], decode: Any) -> tuple[Tensor, Optional[Tensor]]:
+        """The encoder's patch features (N, T, D) of the batch's clean images and, with REG, its class
+        token (N, D) (else None): precomputed by ``extract`` (``batch["repa"]`` and
+        ``batch["repa_class_token"]``, the flip the batch holds) or computed now from
+        ``decode(batch["x"])`` in one encoder pass."""
+        reg = self.options.class_token
         if "repa" in batch:
-            return batch["repa"]
+            if not reg:
+                return batch["repa"], None
+            if "repa_class_token" not in batch:
+                raise ValueError(
+                    "model.repa.class_token_weight > 0 (REG) needs the encoder's class token, and the store's REPA "
+                    "features hold none: extract the features again with dit-lightning extract (it writes the class "
+                    "token beside them), or set data.repa_features false to compute both online"
+                )
+            return batch["repa"], batch["repa_class_token"]
         with torch.no_grad():
             images = decode(batch["x"])
-            return self.encoder(images.device)(images)
+            patches, token = self.encoder(images.device).encode(images)
+        if reg and token is None:
+            raise self._no_class_token(self.options)
+        return patches, token if reg else None
 
     def check_store(self, spec: Mapping[str, Any]) -> None:
-        """Features precomputed in a store (its record ``spec``) must be this run's encoder's: the same
-        encoder, weights and image size (:class:`EncoderIdentity`), width and the DiT's token count."""
+        """Features precomputed in a store (its record ``spec``, the datamodule's ``repa_spec``) must be
+        this run's encoder's: the same encoder, weights and image size (:class:`EncoderIdentity`), width
+        and the DiT's token count. With REG on, the store must hold the encoder's class token too
+        (``spec["class_token"]``, the same encoder's, of its width): a store without it is refused."""
         tokens = self.dit_tokens
         problems = EncoderIdentity.from_record(spec).differences(self.identity())
         if spec.get("dim") != self.options.feature_dim:
             problems.append(f"feature width {spec.get('dim')} (the encoder gives {self.options.feature_dim})")
         if spec.get("tokens") != tokens:
             problems.append(f"{spec.get('tokens')} tokens (the DiT has {tokens})")
+        token = spec.get("class_token")
+        if self.options.class_token and isinstance(token, Mapping):
+            problems += [f"class token: {p}" for p in EncoderIdentity.from_record(token).differences(self.identity())]
+            if token.get("dim") != self.options.feature_dim:  # the class token is a row of the features' output
+                problems.append(f"class token width {token.get('dim')} (the encoder gives {self.options.feature_dim})")
         if problems:
             raise ValueError(
                 "the store's REPA features were made with another encoder: " + "; ".join(problems) + ". Extract the "
                 "features of this run's encoder (dit-lightning extract --output STORE --repa_encoder ... "
                 "--repa_weights ...), or set data.repa_features false to compute them online"
+            )
+        if self.options.class_token and not isinstance(token, Mapping):
+            weights = f" --repa_weights <{spec['weights']}>" if spec.get("weights") else ""
+            raise ValueError(
+                f"REG (model.repa.class_token_weight {self.options.class_token_weight}) needs the encoder's class "
+                "token, and the store's precomputed REPA features hold none (extracted before class tokens were "
+                f"stored, or a class-token pass not finished): rerun `dit-lightning extract --output STORE "
+                f"--repa_encoder {spec.get('encoder')}{weights}` (add --image_root for a VAE store) to add it (one "
+                "encoder pass; the patch features stay), or set data.repa_features false to compute the targets online"
             )
 
     # ---- the alignment term ------------------------------------------------------------------------
@@ -212,6 +269,70 @@ class REPAHead:
         between the projected hidden tokens and the encoder's patch features."""
         assert self.projector is not None, "attach() the head to the network first"
         return alignment_loss(self.projector(hidden), features.to(hidden.device)).mean()
+
+    def losses(
+        self,
+        net: DiT,
+        diffusion_loss: DiffusionLoss,
+        targets: tuple[Tensor, Optional[Tensor]],
+        token_noise: Optional[Tensor] = None,
+        interpolate: Optional[Interpolate] = None,
+        step: Optional[int] = None,
+    ) -> dict[str, Tensor]:
+        """REPA's and REG's terms around the objective's (``diffusion_loss`` of a network function).
+
+        ``targets``: :meth:`targets`' (patches, class token or None). With REG the class token is
+        noised on the latents' path at the latents' times with ``token_noise`` (``interpolate``), the
+        network gets it and predicts its velocity: REG's ``loss.py`` term ``class_token``, the mean
+        over the token's dimensions of the squared error, batch mean, times ``class_token_weight``;
+        the alignment target is then the class token followed by the patches, aligned with all the
+        network's 1 + T tokens (REG's ``dense_z``). Label dropout leaves the token alone (REG).
+
+        ``step``: the optimiser step of a training pass: ``loss`` adds ``coeff`` x the alignment term
+        before ``until_step`` and 0 x it from there on (logged still; kept in the graph, so that the
+        projector is never an unused parameter to DDP). None: an evaluation pass: no alignment,
+        ``loss`` is the objective's, and the class token's term is reported beside it.
+        """
+        patches, token = targets
+        if token is not None and (token_noise is None or interpolate is None):
+            raise ValueError("REG's class token needs its noise and the objective's path (interpolate)")
+        align = step is not None
+        if not align and token is None:
+            return diffusion_loss(net)  # nothing of the head's to evaluate
+        hidden: list[Tensor] = []
+        errors: list[Tensor] = []
+
+        def network(x: Tensor, t: Tensor, **kwargs: Any) -> Tensor:
+            if token is None:
+                out, h = net(x, t, **kwargs, hidden_at=self.depth)
+                hidden.append(h)
+                return out
+            assert token_noise is not None and interpolate is not None
+            noisy, velocity = interpolate(token.float(), token_noise, t)
+            if align:
+                out, h, predicted = net(x, t, **kwargs, hidden_at=self.depth, class_token=noisy)
+                hidden.append(h)
+            else:
+                out, predicted = net(x, t, **kwargs, class_token=noisy)
+            errors.append(((predicted.float() - velocity) ** 2).mean(dim=1))  # REG's mean_flat: per sample
+            return out
+
+        terms = diffusion_loss(network)
+        loss = terms["loss"]
+        out = {**terms, "denoising": terms["loss"]} if align else dict(terms)
+        if step is not None:
+            target = patches if token is None else torch.cat([token[:, None].to(patches.dtype), patches], dim=1)
+            repa = self.loss(hidden[0], target)
+            coeff = self.coeff if self.options.aligns_at(step) else 0.0
+            loss = loss + coeff * repa
+            out["repa"] = repa
+        if token is not None:
+            class_token = errors[0].mean()
+            if align:
+                loss = loss + self.options.class_token_weight * class_token
+            out["class_token"] = class_token
+        out["loss"] = loss
+        return out
 
 
 def repa_head(

@@ -77,6 +77,9 @@ def gradient_shapes(s: DiTShape, qk_norm: bool = False) -> dict[str, list[tuple[
     if qk_norm:
         head = s.qkv_dim // s.num_heads
         block += [(head,)] * (2 if s.norm == "rmsnorm" else 4)
+    if s.class_token_dim:  # REG's class token: its entry (Linear, affine LayerNorm) and exit (Linear)
+        c = s.class_token_dim
+        root += [(d, c), (d,), (d,), (d,), (c, d), (c,)]
     return {"root": root, "block": block}
 
 

@@ -106,6 +106,9 @@ class PlanOptions:
         mlp: the feed-forward (--model.mlp): gelu (DiT) or swiglu (LightningDiT); unset: the named model's.
         pos_embed: sincos (DiT) or rope (LightningDiT's rotary q and k); unset: the named model's.
         wo_shift: adaLN without shifts (--model.wo_shift); unset: the named model's.
+        class_token_dim: REG's class token of that width (a run with --model.repa.class_token_weight > 0:
+            the encoder's width, 768 for DINOv2 ViT-B): one more token per sequence, its entry and exit
+            projections; unset: none.
         micro_batch: per-GPU batch of one forward/backward (unset: 32 in plan mode; with --fit searched,
             set: pinned).
         accumulate_grad_batches: gradient accumulation; >1 keeps the gradients alive through the next
@@ -162,6 +165,7 @@ class PlanOptions:
     mlp: Optional[str] = None
     pos_embed: Optional[str] = None
     wo_shift: Optional[bool] = None
+    class_token_dim: Optional[int] = None
     # the batch per device and the settings recommend searches (None: PLAN_DEFAULTS / searched)
     micro_batch: Optional[int] = None
     accumulate_grad_batches: Optional[int] = None
@@ -228,6 +232,7 @@ class PlanOptions:
             mlp=self.mlp,
             pos_embed=self.pos_embed,
             wo_shift=self.wo_shift,
+            class_token_dim=self.class_token_dim,
         )
 
     @property
@@ -356,18 +361,21 @@ def param_counts(s: DiTShape, qk_norm: bool = False) -> dict[str, int]:
     t_mlp = s.frequency_embedding_size * d + d + d * d + d
     y_table = (s.num_classes + int(s.class_dropout_prob > 0)) * d
     final_matmul = (d * 2 * d + 2 * d) + (d * p * p * s.out_channels + p * p * s.out_channels)
+    token_in, token_out = s.class_token_params  # REG's class token: entry with the embedders, exit with the tail
+    final_matmul += token_out
     final = final_matmul + s.norm_params
+    token_matmul = token_in - 2 * d if token_in else 0  # its LayerNorm is not cast
     pos = s.tokens * d
-    total = patch + t_mlp + y_table + s.depth * blk + final + pos
+    total = patch + t_mlp + y_table + token_in + s.depth * blk + final + pos
     return {
         "total": total,
         "trainable": total - pos,  # pos_embed is a fixed, requires_grad=False parameter
         "block": blk,
         "block_matmul": block_matmul_param_count(s),  # cast to 16 bits by autocast (norms are not)
-        "head": patch + t_mlp + y_table,
+        "head": patch + t_mlp + y_table + token_in,
         "tail": final,
         "pos_embed": pos,
-        "matmul_nonblock": patch + t_mlp + final_matmul,  # cast to 16 bits by autocast
+        "matmul_nonblock": patch + t_mlp + token_matmul + final_matmul,  # cast to 16 bits by autocast
     }
 
 
@@ -394,7 +402,7 @@ def block_activation_terms(
     statistics and outputs (:func:`qk_norm_terms`). LightningDiT's options (``s.norm``, ``s.mlp``,
     ``s.pos_embed``, ``s.wo_shift``) change their own tensors (:func:`lightning_block_terms`).
     """
-    t, d, m, h = s.tokens, s.hidden_size, s.mlp_hidden, s.num_heads
+    t, d, m, h = s.sequence, s.hidden_size, s.mlp_hidden, s.num_heads
     f, b = 4, (2 if mixed else 4)
     td, tm = n * t * d, n * t * m
     terms = {
@@ -443,7 +451,7 @@ def lightning_block_terms(
     that the flash kernels keep (the math path keeps its own scaled copies anyway), and under autocast
     16-bit copies of its tables. Without shifts adaLN's output is 4D, not 6D.
     """
-    t, d, m = s.tokens, s.hidden_size, s.mlp_hidden
+    t, d, m = s.sequence, s.hidden_size, s.mlp_hidden
     b = 2 if mixed else 4
     td, tm = n * t * d, n * t * m
     terms = dict(terms)
@@ -476,7 +484,7 @@ def rms_qk_norm_terms(
     the fp32 copy of its input instead), and the flash path its output (under autocast, 16-bit, and
     SDPA's copy of it); the math path keeps its normalised tensors, and in fp32 the qkv output through
     the norms' inputs."""
-    t, d, h = s.tokens, s.hidden_size, s.num_heads
+    t, d, h = s.sequence, s.hidden_size, s.num_heads
     b = 2 if mixed else 4
     td = n * t * d
     terms = {"QK-norm rsqrt": 2 * n * h * t * 4, "QK-norm fp32 q, k": 2 * td * 4}
@@ -500,7 +508,7 @@ def qk_norm_terms(s: DiTShape, n: int, mixed: bool, attention: Literal["flash", 
     reshaping it for proj copies it. The math path scales its own copies of q and k (already
     counted) but now keeps the qkv output alive through the LayerNorms' inputs.
     """
-    t, d, h = s.tokens, s.hidden_size, s.num_heads
+    t, d, h = s.sequence, s.hidden_size, s.num_heads
     b = 2 if mixed else 4
     td = n * t * d
     terms = {"QK-norm mean/rstd": 2 * 2 * n * h * t * 4}
@@ -527,12 +535,12 @@ _DIT_BLOCK = (False, "layernorm", "gelu", "sincos")
 
 def checkpointed_block_bytes(s: DiTShape, n: int) -> int:
     """A recomputed block keeps only its input (fp32 residual stream)."""
-    return n * s.tokens * s.hidden_size * 4
+    return n * s.sequence * s.hidden_size * 4
 
 
 def nonblock_activation_terms(s: DiTShape, n: int, mixed: bool) -> dict[str, int]:
     """Embedding, final layer and loss tensors saved for backward."""
-    t, d = s.tokens, s.hidden_size
+    t, d = s.sequence, s.hidden_size
     f, b = 4, (2 if mixed else 4)
     latent = n * s.in_channels * s.input_size * s.input_size
     return {
@@ -540,6 +548,13 @@ def nonblock_activation_terms(s: DiTShape, n: int, mixed: bool) -> dict[str, int
         "timestep/label embedding": n * (s.frequency_embedding_size * b + d * (f + b) + d * f),
         "final layer (norm, modulate, linear input)": n * t * d * (f + f + b) + n * d * 4 * b,
         "hybrid loss": LOSS_SAVED_LATENTS * latent * 4,
+        # REG's class token: its noisy input and entry (Linear, LayerNorm in fp32 with its statistics),
+        # the exit's output and its loss target
+        **(
+            {"class token (entry, exit, target)": n * (s.class_token_dim * (b + 4 + 4) + d * (b + f) + 2 * 4)}
+            if s.class_token_dim
+            else {}
+        ),
         # RMSNorm's normalised tokens (its gain's input) and rsqrt
         **({"final RMSNorm": n * t * d * 4 + n * t * 4} if s.norm == "rmsnorm" else {}),
     }
@@ -577,7 +592,7 @@ def repa_costs(o: PlanOptions, micro_batch: int, mixed: bool) -> dict[str, int]:
     FLOPs per image of the projector (forward and backward) and of the online encoder (forward)."""
     if not o.repa_projector_dim:
         return dict(projector_params=0, activations=0, encoder_bytes=0, flops=0)
-    d, p, z, t = o.shape.hidden_size, o.repa_projector_dim, o.repa_feature_dim, o.shape.tokens
+    d, p, z, t = o.shape.hidden_size, o.repa_projector_dim, o.repa_feature_dim, o.shape.sequence
     macs = d * p + p * p + p * z  # per token
     act = micro_batch * t * ((4 * p + z) * (2 if mixed else 4) + 4 * z)  # Linear/SiLU outputs + the fp32 features
     return dict(
@@ -730,7 +745,7 @@ def plan_memory(
     # autocast keeps 16-bit copies of matmul weights; FSDP's mixed precision replaces them
     w16_blk = 2 * pc["block_matmul"] if (mixed and not fsdp) else 0
     w16_nonblock = 2 * pc["matmul_nonblock"] if (mixed and not fsdp) else 0
-    td = n * shape.tokens * shape.hidden_size
+    td = n * shape.sequence * shape.hidden_size
     trans_bwd = BACKWARD_TRANSIENT_TD * td * 4
     if attn == "math":
         # In the softmax backward the saved probabilities, their gradient and the logits'
@@ -818,6 +833,11 @@ def plan_memory(
         assumptions.insert(
             1,
             "LightningDiT's block: " + "; ".join(lightning) + " (saved tensors measured on CPU; CUDA assumed the same)",
+        )
+    if shape.class_token_dim:
+        assumptions.append(
+            f"REG's class token ({shape.class_token_dim} wide): every block runs 1 + {shape.tokens} tokens; its entry "
+            "and exit projections with the embedders and the final layer"
         )
     if repa["projector_params"]:
         assumptions.append(

@@ -22,6 +22,7 @@ import yaml
 
 from ..communication import FSDP_REDUCE_DTYPES, communication_setting
 from ..precision import TRAINING_PRECISIONS, lightning_precision, to_dtype
+from .memory import PlanOptions
 
 RUN_CONFIG = "config.yaml"
 RUN_HPARAMS = "hparams.yaml"
@@ -39,6 +40,7 @@ _SHAPE = (
     "mlp",
     "pos_embed",
     "wo_shift",
+    "class_token_dim",
 )
 
 
@@ -170,6 +172,8 @@ def _levers_of_settings(settings: dict[str, Any], optimizer: Any) -> dict[str, A
             levers["repa_projector_dim"] = int(repa["projector_dim"])
         if repa.get("feature_dim") is not None:
             levers["repa_feature_dim"] = int(repa["feature_dim"])
+        if float(repa.get("class_token_weight") or 0) > 0:  # REG: the encoder's class token, its feature width
+            levers["class_token_dim"] = int(repa.get("feature_dim") or PlanOptions.repa_feature_dim)
     return levers
 
 
@@ -251,6 +255,8 @@ def read_run(path: str) -> RunLevers:
         network, out.notes = _network_of_settings(model, data.get("path"))
     out.options.update(network)
     out.options.update(_levers_of_settings(model, model.get("optimizer")))
+    if "class_token_dim" in network:  # the weights' own width beats the settings' reading of it
+        out.options["class_token_dim"] = network["class_token_dim"]
     devices = _count(trainer.get("devices", 1))
     nodes = int(trainer.get("num_nodes") or 1)
     if trainer.get("precision") is not None:

@@ -10,7 +10,16 @@ network from a checkpoint in :mod:`dit_lightning.checkpoints`; the ``sample`` co
 """
 
 from .labels import LabelPlan, LabelSpec, SampleRequests, parse_labels
-from .loop import StepLines, guided_model_fn, initial_noise, sample_latents, step_noise
+from .loop import (
+    StepLines,
+    guided_model_fn,
+    initial_noise,
+    initial_token_noise,
+    joint_model_fn,
+    sample_latents,
+    step_noise,
+    token_step_noise,
+)
 from .options import SAMPLING_OPTION_NAMES, ResolvedSamplingOptions, SamplingOptions, sampling_options
 from .schedulers import (
     DIFFUSERS_SAMPLERS,
@@ -36,11 +45,14 @@ __all__ = [
     "build_scheduler",
     "guided_model_fn",
     "initial_noise",
+    "initial_token_noise",
     "is_diffusers_sampler",
+    "joint_model_fn",
     "noise_schedule_of",
     "parse_labels",
     "sample_latents",
     "sampling_options",
     "scheduler_config",
     "step_noise",
+    "token_step_noise",
 ]

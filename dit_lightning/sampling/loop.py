@@ -31,6 +31,8 @@ from .schedulers import DIFFUSERS_SAMPLERS, check_sampler, is_diffusers_sampler,
 # Keys of the counter-based random numbers; fixed forever, since they define which image
 # sample i is for a given seed.
 _KEY_INIT, _KEY_STEP = 0x1E1, 0x57E
+# REG's class token draws from keys of its own, so the latent's draws are those of a DiT without it.
+_KEY_TOKEN_INIT, _KEY_TOKEN_STEP = 0xC11, 0xC57
 
 
 def initial_noise(indices: Tensor, shape: Sequence[int], seed: int) -> Tensor:
@@ -41,6 +43,17 @@ def initial_noise(indices: Tensor, shape: Sequence[int], seed: int) -> Tensor:
 def step_noise(indices: Tensor, shape: Sequence[int], seed: int, step: int) -> Tensor:
     """The noise sample ``i`` gets at sampling step ``step`` (0 = the first, at t = T-1)."""
     return keyed_normal(sample_keys(indices.long(), seed, _KEY_STEP, step), shape)
+
+
+def initial_token_noise(indices: Tensor, dim: int, seed: int) -> Tensor:
+    """REG's class token at the start (pure noise) of samples ``indices``: (N, dim) float32, a pure
+    function of (seed, index) from keys of its own."""
+    return keyed_normal(sample_keys(indices.long(), seed, _KEY_TOKEN_INIT), (dim,))
+
+
+def token_step_noise(indices: Tensor, dim: int, seed: int, step: int) -> Tensor:
+    """The noise REG's class token of sample ``i`` gets at SDE step ``step``."""
+    return keyed_normal(sample_keys(indices.long(), seed, _KEY_TOKEN_STEP, step), (dim,))
 
 
 class StepLines:
@@ -102,6 +115,68 @@ def guided_model_fn(
     return fn
 
 
+def joint_model_fn(
+    net: DiT,
+    cfg_scale: float,
+    class_token_cfg_scale: Optional[float] = None,
+    precision: SamplingPrecision = "fp32",
+    cfg_interval: Optional[tuple[float, float]] = None,
+) -> Callable[..., Tensor]:
+    """``fn(z, t, y)`` for a DiT with REG's class token: ``z`` (N, C*H*W + D) packs each sample's
+    latent (flattened) and its noisy class token; the result packs the velocity of the first C
+    output channels and the token's velocity the same way, so that every flow sampler (elementwise,
+    per-sample times) integrates the token jointly with the latent (REG's ``samplers.py``).
+
+    Guidance as REG's: a doubled batch with the same noisy token in both halves and labels
+    ``[y, null]``; the latent's velocity guided by ``cfg_scale``, the token's by
+    ``class_token_cfg_scale`` (None: ``cfg_scale``; 0: the conditional token velocity, REG's
+    ``cls_cfg_scale`` 0 branch); outside ``cfg_interval`` (flow times) the conditional branch alone.
+    REG guides its SDE drift ``v - g/2 score(v, x)``; the score is affine in v with the same x in
+    both halves, so guiding the velocity and then forming the drift is the same thing.
+    """
+    if net.class_token_dim is None:
+        raise ValueError("joint_model_fn samples REG's class token: this DiT has none (use guided_model_fn)")
+    dtype = to_dtype(precision)
+    c, size = net.in_channels, net.input_size
+    numel = c * size * size
+    token_scale = cfg_scale if class_token_cfg_scale is None else class_token_cfg_scale
+
+    def conditional(x: Tensor, token: Tensor, t: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        out, token_v = net(x, t, y, class_token=token)
+        return out[:, :c], token_v
+
+    def guided(x: Tensor, token: Tensor, t: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        null = torch.full_like(y, net.num_classes)
+        out, token_v = net(
+            torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]), class_token=torch.cat([token, token])
+        )
+        cond, uncond = out[:, :c].chunk(2)
+        token_cond, token_uncond = token_v.chunk(2)
+        v = uncond + cfg_scale * (cond - uncond)
+        token_v = token_cond if token_scale == 0 else token_uncond + token_scale * (token_cond - token_uncond)
+        return v, token_v
+
+    def run(x: Tensor, token: Tensor, t: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        if cfg_scale == 1.0 and token_scale in (0.0, 1.0):  # 0: the conditional token velocity
+            return conditional(x, token, t, y)
+        if cfg_interval is not None:
+            inside = (t >= cfg_interval[0]) & (t <= cfg_interval[1])
+            if not inside.any():
+                return conditional(x, token, t, y)
+            if not inside.all():
+                (v, tv), (cv, ctv) = guided(x, token, t, y), conditional(x, token, t, y)
+                return torch.where(inside.view(-1, 1, 1, 1), v, cv), torch.where(inside.view(-1, 1), tv, ctv)
+        return guided(x, token, t, y)
+
+    def fn(z: Tensor, t: Tensor, y: Tensor) -> Tensor:
+        x, token = z[:, :numel].reshape(-1, c, size, size), z[:, numel:]
+        with autocast(z.device.type, dtype):
+            v, token_v = run(x, token, t, y)
+        return torch.cat([v.float().flatten(1), token_v.float()], dim=1)
+
+    return fn
+
+
 @torch.no_grad()
 def sample_latents(
     net: DiT,
@@ -113,6 +188,7 @@ def sample_latents(
     noise: Optional[Tensor] = None,
     noise_fn: Optional[Callable[[int, Tensor], Tensor]] = None,
     model_fn: Optional[Callable[..., Tensor]] = None,
+    class_token_noise: Optional[Tensor] = None,
     on_step: Optional[Callable[[int], None]] = None,
     **overrides: Any,
 ) -> Tensor:
@@ -137,6 +213,12 @@ def sample_latents(
     is tiny turns a small epsilon error into a huge x_0 (the cosine schedule's last step,
     acp ~ 2.4e-9, multiplies it by ~2e4) that ancestral sampling carries into the next inputs
     of the network. VAE latents are unbounded, and DiT's published numbers sample them unclipped.
+
+    A DiT with REG's class token (``class_token_dim``, a flow objective) samples the token jointly
+    from its own keyed noise (``class_token_noise`` (N, D) overrides it): the sampler's state is each
+    sample's ``[latent.flatten(), token]`` (:func:`joint_model_fn`; ``noise_fn`` then returns that
+    packed shape, and a ``model_fn`` takes and returns it as :func:`joint_model_fn` does) and the token
+    is dropped at the end, as REG's sampler returns the latents only.
     """
     if isinstance(indices, SamplingOptions):
         raise TypeError("options are passed by name: sample_latents(net, labels, indices, options=...)")
@@ -152,9 +234,24 @@ def sample_latents(
     check_sampler(opts.sampler)
     objective = (objective or DDPMObjective()).for_network(net.learn_sigma)
     objective.check_sampler(opts.sampler, tuple(DIFFUSERS_SAMPLERS))
-    guided = model_fn or guided_model_fn(
-        net, opts.cfg_scale, opts.guide_channels, opts.precision, cfg_interval=opts.cfg_interval
-    )
+    token_dim = net.class_token_dim
+    if token_dim is not None and (isinstance(objective, DDPMObjective) or is_diffusers_sampler(opts.sampler)):
+        raise ValueError(
+            f"this DiT has REG's class token (class_token_dim {token_dim}), which only the flow samplers denoise "
+            f"jointly: sample it with its flow objective (objective=FlowMatching(), a flow sampler), not {opts.sampler}"
+        )
+    if token_dim is None and class_token_noise is not None:
+        raise ValueError("class_token_noise given, but this DiT has no class token (class_token_dim unset)")
+    if model_fn is not None:
+        guided = model_fn
+    elif token_dim is not None:
+        guided = joint_model_fn(
+            net, opts.cfg_scale, opts.class_token_cfg_scale, opts.precision, cfg_interval=opts.cfg_interval
+        )
+    else:
+        guided = guided_model_fn(
+            net, opts.cfg_scale, opts.guide_channels, opts.precision, cfg_interval=opts.cfg_interval
+        )
 
     evaluations = 0
 
@@ -170,7 +267,10 @@ def sample_latents(
         idx_dev = idx.to(device)
 
         def noise_fn(step: int, like: Tensor) -> Tensor:
-            return step_noise(idx_dev, shape, seed, step).to(like.dtype)
+            if token_dim is None:
+                return step_noise(idx_dev, shape, seed, step).to(like.dtype)
+            latent = step_noise(idx_dev, shape, seed, step).flatten(1)
+            return torch.cat([latent, token_step_noise(idx_dev, token_dim, seed, step)], 1).to(like.dtype)
 
     x = (noise if noise is not None else initial_noise(idx.to(device), shape, seed)).to(device, torch.float32)
     if tuple(x.shape) != (n, *shape):
@@ -184,6 +284,15 @@ def sample_latents(
                 fn, x, y, idx, opts, seed=seed, in_channels=net.in_channels, learn_sigma=net.learn_sigma,
                 noise_schedule=objective.noise_schedule, diffusion_steps=objective.diffusion_steps, noise_fn=noise_fn,
             )  # fmt: skip
+        elif token_dim is not None:  # REG: the token is integrated jointly, then dropped
+            token = class_token_noise
+            if token is None:
+                token = initial_token_noise(idx.to(device), token_dim, seed)
+            token = token.to(device, torch.float32)
+            if tuple(token.shape) != (n, token_dim):
+                raise ValueError(f"class_token_noise of shape {tuple(token.shape)}, expected {(n, token_dim)}")
+            z = objective.run_sampler(fn, torch.cat([x.flatten(1), token], 1), y, opts, noise_fn=noise_fn)
+            x = z[:, : x[0].numel()].reshape(x.shape)
         else:
             x = objective.run_sampler(fn, x, y, opts, noise_fn=noise_fn)
     finally:

@@ -61,6 +61,11 @@ class SamplingOptions:
             limited interval", arXiv 2404.07724). Flow models take flow times instead,
             0 <= lo <= hi <= 1 (0: noise, 1: data): LightningDiT's ``cfg_interval_start`` 0.11
             is [0.11, 1]. Unset: every step.
+        class_token_cfg_scale: the guidance scale of REG's class token, which a DiT with
+            ``class_token_dim`` samples jointly with the latents (flow samplers): unset (None): the
+            same as cfg_scale (REG's eval.sh passes 2.3 for both); 0: the conditional token
+            velocity, unguided (REG's ``--cls-cfg-scale 0``). Guided on the steps cfg_scale
+            guides (cfg_interval); DiTs without the token leave it aside.
         eta: DDIM noise (0: deterministic; ddim and diffusers-ddim).
         clip_denoised: clamp each step's x_0 estimate to [-1, 1]; unset: the store's rule, on for
             pixel stores (their data lie in [-1, 1]), off for VAE latents (unbounded; the
@@ -91,6 +96,7 @@ class SamplingOptions:
     cfg_scale: Optional[float] = None
     guide_channels: Optional[int] = None
     cfg_interval: Optional[tuple[float, float]] = None
+    class_token_cfg_scale: Optional[float] = None
     eta: float = 0.0
     clip_denoised: Optional[bool] = None
     precision: SamplingPrecision = "fp32"
@@ -112,6 +118,11 @@ class SamplingOptions:
             raise ValueError(
                 f"atol {self.atol} / rtol {self.rtol}: ode-dopri5's tolerances must be >= 0 and not both 0 "
                 "(SiT's defaults: atol 1e-6, rtol 1e-3)"
+            )
+        if self.class_token_cfg_scale is not None and self.class_token_cfg_scale < 0:
+            raise ValueError(
+                f"class_token_cfg_scale {self.class_token_cfg_scale}: give a scale >= 0 (0: the conditional "
+                "token velocity, REG's --cls-cfg-scale 0), or leave it unset for cfg_scale's"
             )
         if self.cfg_interval is not None:
             interval = tuple(float(t) for t in self.cfg_interval)  # a list from YAML or JSON too

@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from dit_lightning.callbacks.autofit import AutoFit
 from dit_lightning.data import LatentDataModule
+from dit_lightning.models import build_dit
 from dit_lightning.module import DiTModule
 from tests.helpers.device_model import SimulatedDevice
 
@@ -252,3 +253,9 @@ def test_the_problem_of_a_module_plans_its_qk_norm():
     assert qk.shape == {**plain.shape, "qk_norm": True} and plain.shape["qk_norm"] is False
     s = plain.setting("32-true", 32, 0)
     assert qk.peak(s) > plain.peak(s)
+    module = DiTModule("custom", **kw)  # REG's class token (the network's; its training is the module's concern)
+    module.model = build_dit("custom", input_size=8, in_channels=4, class_token_dim=16, **{
+        k: v for k, v in kw.items() if k != "latent_shape"
+    })  # fmt: skip
+    token = build_problem(module, 32, 1, "cpu", None, {})
+    assert token.shape == {**plain.shape, "class_token_dim": 16} and token.peak(s) > plain.peak(s)

@@ -64,14 +64,15 @@ def sgd(params):
 
 
 def repa_encoder_file(data: str) -> str:
-    """A random DigitsEncoder's weights, the same in every process (written atomically by each)."""
-    from dit_lightning.models.repa import DigitsEncoder
+    """A random digits encoder's weights (with a class token, for REG), the same in every process
+    (written atomically by each)."""
+    from tests.helpers.reg_encoder import ClassTokenDigitsEncoder
 
     path = Path(data).parent / "repa_encoder.pt"
     if not path.exists():
         with torch.random.fork_rng():
             torch.manual_seed(123)
-            net = DigitsEncoder()
+            net = ClassTokenDigitsEncoder()
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         torch.save(net.state_dict(), tmp)
         os.replace(tmp, path)
@@ -82,15 +83,18 @@ def build(
     data: str, seed: int = 0, optimizer: str = "adamw", recipe: str = "ddpm"
 ) -> tuple[DiTModule, LatentDataModule]:
     """The tiny DiT on the digits; ``recipe="flow-repa"``: flow matching with REPA (block 1, a random
-    digits encoder), whose projector must train alike under every strategy."""
+    digits encoder), whose projector must train alike under every strategy, with REG's class token
+    (its layers and keyed noise) and the alignment cut off at step 3 (the projector stays in DDP's
+    graph with zero gradients)."""
     L.seed_everything(seed, verbose=False)
     dm = LatentDataModule(data, global_batch_size=GLOBAL_BATCH, val_size=32, num_workers=0, random_flip=False)
     objective: dict[str, Any] = {}
     if recipe == "flow-repa":
         from dit_lightning.models.repa import REPAOptions
 
-        repa = REPAOptions(encoder="dit_lightning.models.repa.DigitsEncoder", weights=repa_encoder_file(data), depth=1)
-        objective = dict(objective="flow", repa=dataclasses.replace(repa, projector_dim=32))
+        repa = REPAOptions(encoder="tests.helpers.reg_encoder.ClassTokenDigitsEncoder", weights=repa_encoder_file(data))
+        reg = dataclasses.replace(repa, depth=1, projector_dim=32, class_token_weight=0.03, until_step=3)
+        objective = dict(objective="flow", repa=reg)
     module = DiTModule(
         model="custom",
         latent_shape=dm.latent_shape,
@@ -142,7 +146,12 @@ def trainer(
 
 def logged(out: Path, name: str) -> dict[str, dict[int, float]]:
     path = out / name / "metrics.csv"
-    result: dict[str, dict[int, float]] = {"train/loss": {}, "train/grad_norm": {}, "val/loss": {}}
+    result: dict[str, dict[int, float]] = {
+        "train/loss": {},
+        "train/grad_norm": {},
+        "val/loss": {},
+        "train/class_token": {},
+    }
     if not path.exists():
         return result
     with open(path) as f:

@@ -132,7 +132,7 @@ def runs(store, tmp_path_factory):
         "ref": {**_state(ref_module, samples=True), "logged": parity.logged(ref_dir, "single")},
         "ref_opt": ref_trainer.optimizers[0].state_dict(),
         "ref_clip": {**_state(clip_module), "logged": parity.logged(ref_dir, "single_clip")},
-        "ref_flow_repa": {**_state(flow_module), "logged": parity.logged(ref_dir, "single_flow_repa")},
+        "ref_flow_repa": {**_state(flow_module, samples=True), "logged": parity.logged(ref_dir, "single_flow_repa")},
         "init": _state(parity.build(store)[0]),
         "init_sgd": _state(parity.build(store, optimizer="sgd")[0]),
         "ref_dir": ref_dir,
@@ -255,9 +255,11 @@ def test_fsdp2_two_ranks_equal_one_process(runs):
 @pytest.mark.parametrize("run", ["ddp_flow_repa", "fsdp2_flow_repa"])
 def test_flow_matching_with_repa_on_two_ranks_equals_one_process(runs, run):
     got, ref = runs[run], runs["ref_flow_repa"]
-    assert ref["logged"]["train/loss"]
+    assert ref["logged"]["train/loss"] and ref["logged"]["train/class_token"]  # REG's class token too
     assert_same_weights(got, ref)  # the projector's gradients are reduced (else the ranks' DiTs would drift)
-    assert_same_logs(got["logged"], ref["logged"], keys=("train/loss", "train/grad_norm"))
+    assert_same_logs(got["logged"], ref["logged"], keys=("train/loss", "train/grad_norm", "train/class_token"))
+    # the class token sampled jointly from the (sharded) EMA, with and without guidance: one process's samples
+    torch.testing.assert_close(got["samples"], ref["samples"], rtol=1e-5, atol=1e-5)
     if run.startswith("fsdp2"):
         assert got["model_sharded"]
 

@@ -5,6 +5,7 @@ import contextlib
 
 import pytest
 import torch
+import yaml
 
 from dit_lightning.models import DiTShape, build_dit, dit_params, shape_of
 from dit_lightning.planner import (
@@ -374,3 +375,56 @@ def test_lightningdit_block_prediction_matches_the_measured_peak_of_a_real_step(
     assert any("LightningDiT's block" in a for a in planned.assumptions)
     with pytest.raises(ValueError, match="mlp='swish' is not a block option"):
         PlanOptions(mlp="swish").param_counts()
+
+
+def test_regs_class_token_is_counted_as_the_built_network_has_it(tmp_path):
+    """REG's class token (class_token_dim): parameters, gradient shapes and MACs exact against the built
+    network, a block's saved tensors over its 1 + T tokens byte for byte, and ``plan --run`` reads it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dit_lightning.checkpoints import save_dit
+    from dit_lightning.models import dit_macs
+    from dit_lightning.planner.communication import gradient_shapes
+    from dit_lightning.planner.runs import read_run
+
+    sizes = dict(depth=2, hidden_size=64, num_heads=4, patch_size=2, num_classes=10)
+    net = build_dit("custom", input_size=16, class_token_dim=24, **sizes)
+    s = DiTShape.of(net)
+    assert (s.class_token_dim, s.tokens, s.sequence) == (24, 64, 65)
+    counts = PlanOptions(model="custom", latent_size=16, class_token_dim=24, **sizes).param_counts()
+    assert counts["total"] == sum(p.numel() for p in net.parameters()) == dit_params(s)
+    outside = {n: p for n, p in net.named_parameters() if not n.startswith("blocks.") and n != "pos_embed"}
+    assert counts["head"] + counts["tail"] == sum(p.numel() for p in outside.values())
+    cast = [p for name, p in outside.items() if "embedding_table" not in name and ".norm." not in name]
+    assert counts["matmul_nonblock"] == sum(p.numel() for p in cast)  # what autocast casts: not the norm, the table
+    assert sorted(gradient_shapes(s)["root"]) == sorted(tuple(p.shape) for p in outside.values())
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        net.eval()(torch.randn(1, 4, 16, 16), torch.tensor([3]), torch.tensor([1]), class_token=torch.randn(1, 24))
+    attention = s.depth * 2 * s.sequence * s.sequence * s.qkv_dim  # CPU SDPA is not counted: added back
+    assert dit_macs(s) == counter.get_total_flops() // 2 + attention
+    plain = DiTShape(**{**vars(s), "class_token_dim": None})
+    assert dit_macs(s) > dit_macs(plain) + 2 * 64 * 24  # the projections and one more token in every block
+
+    # a block over 1 + T tokens saves what the formula says (flash, fp32)
+    block, n = net.blocks[0], 2
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x, c = torch.randn(n, 65, 64, requires_grad=True), torch.randn(n, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block.train()(x, c)
+    assert sum(block_activation_terms(s, n, False, "flash", "cpu").values()) == sum(saved.values()) - c.numel() * 4
+
+    # plan --run: a REG run's config (the encoder's feature width), a checkpoint (the weights' width)
+    model = dict(model="custom", latent_shape=[4, 16, 16], **sizes)
+    model["repa"] = {"encoder": "enc.pt", "class_token_weight": 0.03, "feature_dim": 24, "projector_dim": 16}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": model, "trainer": {"devices": 1}, "data": {}}))
+    options = read_run(str(tmp_path / "config.yaml")).options
+    assert options["class_token_dim"] == 24 and PlanOptions(**options).param_counts()["total"] == counts["total"]
+    save_dit(net, tmp_path / "reg.pt")
+    assert read_run(str(tmp_path / "reg.pt")).options["class_token_dim"] == 24

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # A value for every option, none of them its default: a new option must be added here.
 GIVEN = dict(
-    sampler="ddim", num_steps=3, cfg_scale=1.5, guide_channels=3, cfg_interval=(200.0, 700.0), eta=0.5,
+    sampler="ddim", num_steps=3, cfg_scale=1.5, guide_channels=3, cfg_interval=(200.0, 700.0),
+    class_token_cfg_scale=0.0, eta=0.5,
     clip_denoised=True, precision="bf16", seed=4, atol=1e-5, rtol=1e-4, diffusion_form="sbdm", diffusion_norm=0.5,
     last_step="tweedie", last_step_size=0.02, timestep_shift=0.3,
 )  # fmt: skip
