@@ -147,10 +147,11 @@ def test_fit_command_of_each_recipe_differs_only_in_its_alignment_terms(tmp_path
         bench_own_data.fit_command(args, "flow-lognorm-repa", 0, "imgs", "store", None)
 
 
-@pytest.mark.parametrize("recipe", ["flow-lognorm-repa-cutoff"])
-def test_a_run_trains_samples_and_scores_on_a_tiny_fake_mnist(tmp_path: Path, recipe: str) -> None:
-    """One recipe end to end as the benchmark runs it (the stand-in encoder trained on the training
-    split, fit in a subprocess, each checkpoint sampled and judged), on 30 fake 28x28 digits."""
+def test_the_reg_recipe_with_a_cutoff_trains_samples_and_scores_on_a_tiny_fake_mnist(tmp_path: Path) -> None:
+    """REG's recipe (the class token of the stand-in encoder) with the alignment cut off after step 1,
+    end to end as the benchmark runs it (the encoder trained on the training split, fit in a
+    subprocess, the checkpoint sampled with its class token and judged), on 30 fake 28x28 digits."""
+    recipe = "flow-lognorm-repa-reg"
     rng = np.random.default_rng(0)
     labels = np.repeat(np.arange(10), 3)
     images = (rng.random((30, 28, 28)) * 40).astype(np.uint8)
@@ -158,6 +159,7 @@ def test_a_run_trains_samples_and_scores_on_a_tiny_fake_mnist(tmp_path: Path, re
         images[i, 2 + 2 * d : 4 + 2 * d, 4:24] = 255
     train, held = bench_own_data.split_held_out(labels, per_class=1)
     args = bench_args(tmp_path)
+    args.fit_args += " --model.repa.until_step 1"
     root, store = str(tmp_path / "images"), str(tmp_path / "store")
     bench_own_data.write_image_folder(images, labels, train, root)
     bench_own_data.prepare_store(root, store)
@@ -167,5 +169,5 @@ def test_a_run_trains_samples_and_scores_on_a_tiny_fake_mnist(tmp_path: Path, re
     assert [(p["step"], p["recipe"], p["seed"]) for p in curve] == [(2, recipe, 0)]
     assert 0.0 <= curve[0]["accuracy"] <= 1.0 and np.isfinite(curve[0]["fd_classifier"])
     hparams = (tmp_path / f"{recipe}-seed0" / "run" / "hparams.yaml").read_text()
-    assert "until_step: 1" in hparams and "MNISTEncoder" in hparams
+    assert "until_step: 1" in hparams and "class_token_weight: 0.03" in hparams and "MNISTEncoder" in hparams
     assert bench_own_data.run_one(args, recipe, 0, root, store, judge, encoder) == curve  # cached
