@@ -200,11 +200,11 @@ def summarise(
     return rows, reached(rows, target)
 
 
-def reached(rows: list[dict], target: str = "digits_fd_svc") -> dict[str, Any]:
-    """The first step at which each recipe's mean ``target`` (lower is better) reaches DDPM's final
-    one (``reach["target"]``); None where it never does; empty without DDPM rows."""
+def reached(rows: list[dict], target: str = "digits_fd_svc", baseline: str = "ddpm") -> dict[str, Any]:
+    """The first step at which each recipe's mean ``target`` (lower is better) reaches the ``baseline``
+    recipe's final one (``reach["target"]``); None where it never does; empty without baseline rows."""
     reach: dict[str, Any] = {}
-    base = [r for r in rows if r["recipe"] == "ddpm"]
+    base = [r for r in rows if r["recipe"] == baseline]
     if base:
         goal = max(base, key=lambda r: r["step"])[target]
         reach["target"] = goal
