@@ -297,6 +297,17 @@ class DiTModule(L.LightningModule):
             self.repa_projector = self.repa.attach(self.model)
 
     def on_fit_start(self) -> None:
+        self._check_store_features()
+
+    def on_validation_start(self) -> None:
+        if self.repa is not None and self.repa.class_token_dim:  # REG's evaluation reads the store's class token
+            self._check_store_features()
+
+    def on_test_start(self) -> None:
+        if self.repa is not None and self.repa.class_token_dim:
+            self._check_store_features()
+
+    def _check_store_features(self) -> None:
         # features precomputed in the store must be this run's encoder's: said before the first step
         data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         spec, unfinished = getattr(data, "repa_spec", None), getattr(data, "repa_unfinished", None)
