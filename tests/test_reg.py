@@ -61,7 +61,7 @@ def test_bad_reg_settings_are_refused_in_one_line(encoder_file, tmp_path):
     module = reg_module(encoder_file)  # a store holding the patch features only
     with pytest.raises(
         ValueError,
-        match=r"REPA features hold none .*rerun `dit-lightning extract --output STORE --repa_encoder .*repa_features false",
+        match=r"REPA features hold none .*rerun `dit-lightning extract --output STORE --repa_encoder .*features false",
     ):
         module.head_losses(module.model, {**batch(2), "repa": torch.zeros(2, 16, 64)}, 0, train=True)
 
