@@ -90,6 +90,11 @@ class DistillationModule(DiTModule):
             return
         loaded = load_dit(teacher, weights=teacher_weights)
         net = loaded.net
+        if net.class_token_dim is not None:  # its outputs depend on a noisy class token the student has not
+            raise ValueError(
+                f"teacher {teacher} has REG's class token (class_token_dim {net.class_token_dim}): distillation takes "
+                "teachers whose output depends on the latents, time and label only; distil from a network without it"
+            )
         self._check_teacher(net, loaded.args, teacher)
         net.requires_grad_(False).eval()
         self._frozen["teacher"] = net

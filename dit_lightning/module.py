@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from .checkpoints import (
     NonFiniteWeightsError,
     check_dit_weights,
+    clean_state_dict,
     infer_dit_config,
     load_dit_weights,
     nonfinite_message,
@@ -66,6 +67,8 @@ _VAL_STEP_KEY = -1
 _STREAM_T, _STREAM_NOISE, _STREAM_DROP, _STREAM_CLASS_TOKEN = 1, 2, 3, 4
 # The weight sets of a Lightning checkpoint: (state-dict prefix, what a message calls them).
 _WEIGHT_SETS = (("ema.", "EMA weights"), ("model.", "trained weights"))
+# REG's class-token layers of a DiT (models/dit.py): what a checkpoint without REG lacks
+_CLASS_TOKEN_LAYERS = ("cls_embedder.", "final_layer.linear_cls.")
 
 
 class DiTModule(L.LightningModule):
@@ -112,7 +115,8 @@ class DiTModule(L.LightningModule):
         diffusion_steps: the diffusion process's steps (1000 in the paper).
         seed: key of the per-sample timesteps, noise and label dropout.
         init_from: start from a checkpoint (released raw state dict, reference format or
-            Lightning); weights only, strict, with a clear error for another architecture.
+            Lightning); weights only, strict, with a clear error for another architecture (a REG
+            run takes one without REG's class-token layers: those start at REG's initialisation).
             Also a diffusers DiT directory or a ``.safetensors`` file (docs/diffusers.md).
         sample_steps: default sampling steps of :meth:`sample` (and of the tools reading the checkpoint).
         sampler: default sampler of :meth:`sample`: "ddpm", "ddim" or a diffusers scheduler
@@ -287,16 +291,29 @@ class DiTModule(L.LightningModule):
                     f"--model.init_from {init_from}",
                 )
             self._check_transform(transform_of(initial.args), f"--model.init_from {init_from}")
-            load_dit_weights(self.model, self._init_weights(initial.model), source=f"checkpoint '{init_from}'")
+            weights = self._init_weights(initial.model, self.model, init_from)
+            load_dit_weights(self.model, weights, source=f"checkpoint '{init_from}'")
         if ema:
             self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
             if initial is not None and initial.ema is not None:
-                load_dit_weights(self.ema, self._init_weights(initial.ema), source=f"EMA weights of '{init_from}'")
+                weights = self._init_weights(initial.ema, self.ema, init_from)
+                load_dit_weights(self.ema, weights, source=f"EMA weights of '{init_from}'")
         self._decoder_cache: dict[str, nn.Module] = {}  # a plain dict: keeps the VAE out of the state dict
         if self.repa is not None:  # registered here: checkpoints name its weights repa_projector.*
             self.repa_projector = self.repa.attach(self.model)
 
     def on_fit_start(self) -> None:
+        self._check_store_features()
+
+    def on_validation_start(self) -> None:
+        if self.repa is not None and self.repa.class_token_dim:  # REG's evaluation reads the store's class token
+            self._check_store_features()
+
+    def on_test_start(self) -> None:
+        if self.repa is not None and self.repa.class_token_dim:
+            self._check_store_features()
+
+    def _check_store_features(self) -> None:
         # features precomputed in the store must be this run's encoder's: said before the first step
         data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         spec, unfinished = getattr(data, "repa_spec", None), getattr(data, "repa_unfinished", None)
@@ -305,10 +322,33 @@ class DiTModule(L.LightningModule):
         if self.repa is not None and spec:
             self.repa.check_store(spec)
 
-    def _init_weights(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``init_from``'s weights for this network: an objective that drops unused outputs (flow) also
-        takes SiT's layout (2C outputs, the last C unused: the released SiT-XL-2-256x256.pt)."""
-        return sit_output_layout(sd, self.model) if self.objective.drops_unused_outputs else sd
+    def _init_weights(self, sd: dict[str, Tensor], target: DiT, init_from: Optional[str]) -> dict[str, Tensor]:
+        """``init_from``'s weights for ``target`` (the network or its EMA): an objective that drops unused
+        outputs (flow) also takes SiT's layout (2C outputs, the last C unused: the released
+        SiT-XL-2-256x256.pt). A REG run fine-tunes a checkpoint without REG's class-token layers (a
+        released SiT or DiT): those layers, and only those, keep ``target``'s own REG initialisation;
+        a REG checkpoint into a run without REG is refused (its token layers would be dropped)."""
+        sd = clean_state_dict(sd)
+        if self.objective.drops_unused_outputs:
+            sd = sit_output_layout(sd, self.model)
+        theirs = [k for k in sd if k.startswith(_CLASS_TOKEN_LAYERS)]
+        if theirs and not target.class_token_dim:
+            width = sd["cls_embedder.proj.weight"].shape[1] if "cls_embedder.proj.weight" in sd else "?"
+            raise ValueError(
+                f"--model.init_from {init_from} holds REG's class-token layers (a token of width {width}): "
+                "fine-tune it with REG, --model.repa.class_token_weight 0.03 (REG's) and a model.repa.encoder "
+                f"whose class token has width {width}"
+            )
+        if theirs or not target.class_token_dim:
+            return sd  # loads strictly, or not at all
+        own = {k: v for k, v in target.state_dict().items() if k.startswith(_CLASS_TOKEN_LAYERS)}
+        if target is self.model:  # said once, not again for the EMA
+            layers = ", ".join(p + "*" for p in _CLASS_TOKEN_LAYERS)
+            rank_zero_info(
+                f"--model.init_from {init_from} has no class-token layers: {layers} start at REG's initialisation, "
+                "every other weight is the checkpoint's"
+            )
+        return {**sd, **own}
 
     if TYPE_CHECKING:
 

@@ -257,3 +257,13 @@ def test_a_lightningdit_teacher_distils_into_a_dit_block_student(tmp_path):
     terms = student.distillation_loss(student.model, batch(), step_key=3, train=True)
     assert terms["distill_eps"] > 0 and terms["distill_feat"] > 0
     terms["loss"].backward()
+
+
+def test_a_reg_teacher_is_refused_naming_its_class_token(tmp_path):
+    from dit_lightning.models.dit import build_dit
+
+    reg = build_dit("custom", **{k: TINY[k] for k in ("hidden_size", "depth", "num_heads", "patch_size")},
+                    input_size=8, in_channels=1, num_classes=10, learn_sigma=False, class_token_dim=8)  # fmt: skip
+    path = save_pruned(reg, tmp_path / "reg.pt", ema=reg, extra_args={"objective": "flow"})
+    with pytest.raises(ValueError, match=r"reg\.pt has REG's class token \(class_token_dim 8\)"):
+        DistillationModule(teacher=path, **{**SMALL, "objective": "flow"})

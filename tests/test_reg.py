@@ -59,7 +59,10 @@ def test_bad_reg_settings_are_refused_in_one_line(encoder_file, tmp_path):
     with pytest.raises(ValueError, match=r"needs an encoder with a class token.*prefix_tokens = 1"):
         reg_module(encoder_file, repa=options)
     module = reg_module(encoder_file)  # a store holding the patch features only
-    with pytest.raises(ValueError, match="features hold none: extract the features again"):
+    with pytest.raises(
+        ValueError,
+        match=r"REPA features hold none .*rerun `dit-lightning extract --output STORE --repa_encoder .*features false",
+    ):
         module.head_losses(module.model, {**batch(2), "repa": torch.zeros(2, 16, 64)}, 0, train=True)
 
 

@@ -595,10 +595,11 @@ class FaultTolerance(L.Callback):
         several = _distributed(trainer)
         every = self.check_every_n_steps or step_cadence(trainer)
         if trainer.global_step % every == 0 or (self._signum and not several):
-            self._check(trainer)
+            self._check(trainer, step_end=True)
 
-    def _check(self, trainer: L.Trainer) -> None:
-        """Read the non-finite watch and (several ranks) agree on signals: the one host read of the step."""
+    def _check(self, trainer: L.Trainer, step_end: bool = False) -> None:
+        """Read the non-finite watch and (several ranks) agree on signals: the one host read of the step
+        (``step_end``: at the end of a training step, whose metrics are not logged yet)."""
         watch = self._watch.state() if self._watch is not None else torch.full((3,), -1.0)
         flags = torch.cat([torch.tensor([float(self._signum or 0)], device=watch.device), watch.float()])
         if _distributed(trainer):  # every rank decides the same, or a collective would hang
@@ -608,7 +609,7 @@ class FaultTolerance(L.Callback):
         if stopped_at >= 0:
             raise NonFiniteLossError(self._nonfinite_message(trainer, stopped_at, since, run))
         if signum:
-            self._save_and_exit(trainer, signum)
+            self._save_and_exit(trainer, signum, step_end)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._watch is not None:  # a NaN in the steps since the last read
@@ -637,8 +638,10 @@ class FaultTolerance(L.Callback):
             "steps, set --fault_tolerance.nonfinite_patience N."
         )
 
-    def _save_and_exit(self, trainer: L.Trainer, signum: int) -> None:
+    def _save_and_exit(self, trainer: L.Trainer, signum: int, step_end: bool = False) -> None:
         name = signal_name(signum)
+        if step_end:  # Lightning logs a step's metrics after this hook: the step saved keeps its row (train/loss)
+            trainer._logger_connector.update_train_step_metrics()
         cb = trainer.checkpoint_callback
         if isinstance(cb, ModelCheckpoint) and cb.dirpath:
             if cb.save_last:

@@ -130,6 +130,12 @@ def prune(
         learn_sigma=model.learn_sigma,
         diffusion_steps=diffusion_steps or args.get("diffusion_steps") or 1000,
     )
+    if calibration and model.class_token_dim is not None:  # its loss would need REG's noisy class token
+        raise ValueError(
+            f"--calibration scores blocks and heads by the DDPM loss of a network without inputs beyond the latents; "
+            f"{checkpoint} has REG's class token (class_token_dim {model.class_token_dim}): prune it by weight "
+            "magnitude (leave --calibration unset)"
+        )
     batch = load_calibration_batch(calibration, calibration_size, seed) if calibration else None
     report: dict[str, Any] = {
         "pruned_from": str(checkpoint),

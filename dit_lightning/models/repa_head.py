@@ -218,11 +218,7 @@ class REPAHead:
             if not reg:
                 return batch["repa"], None
             if "repa_class_token" not in batch:
-                raise ValueError(
-                    "model.repa.class_token_weight > 0 (REG) needs the encoder's class token, and the store's REPA "
-                    "features hold none: extract the features again with dit-lightning extract (it writes the class "
-                    "token beside them), or set data.repa_features false to compute both online"
-                )
+                raise self._no_stored_class_token()
             return batch["repa"], batch["repa_class_token"]
         with torch.no_grad():
             images = decode(batch["x"])
@@ -254,14 +250,21 @@ class REPAHead:
                 "--repa_weights ...), or set data.repa_features false to compute them online"
             )
         if self.options.class_token and not isinstance(token, Mapping):
-            weights = f" --repa_weights <{spec['weights']}>" if spec.get("weights") else ""
-            raise ValueError(
-                f"REG (model.repa.class_token_weight {self.options.class_token_weight}) needs the encoder's class "
-                "token, and the store's precomputed REPA features hold none (extracted before class tokens were "
-                f"stored, or a class-token pass not finished): rerun `dit-lightning extract --output STORE "
-                f"--repa_encoder {spec.get('encoder')}{weights}` (add --image_root for a VAE store) to add it (one "
-                "encoder pass; the patch features stay), or set data.repa_features false to compute the targets online"
-            )
+            raise self._no_stored_class_token(spec)
+
+    def _no_stored_class_token(self, spec: Optional[Mapping[str, Any]] = None) -> ValueError:
+        """The one refusal of REG on a store whose REPA features hold no class token (``spec``: the
+        store's record, which names the encoder to extract with)."""
+        encoder = (spec or {}).get("encoder") or self.options.encoder
+        weights = (spec or {}).get("weights") or self.options.weights
+        return ValueError(
+            f"REG (model.repa.class_token_weight {self.options.class_token_weight}) needs the encoder's class "
+            "token, and the store's precomputed REPA features hold none (extracted before class tokens were "
+            f"stored, or a class-token pass not finished): rerun `dit-lightning extract --output STORE "
+            f"--repa_encoder {encoder}{f' --repa_weights <{weights}>' if weights else ''}` (add --image_root for a "
+            "VAE store) to add it (one encoder pass; the patch features stay), or set data.repa_features false to "
+            "compute the targets online"
+        )
 
     # ---- the alignment term ------------------------------------------------------------------------
     def loss(self, hidden: Tensor, features: Tensor) -> Tensor:

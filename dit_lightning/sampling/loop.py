@@ -157,7 +157,7 @@ def joint_model_fn(
         return v, token_v
 
     def run(x: Tensor, token: Tensor, t: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        if cfg_scale == 1.0 and token_scale in (0.0, 1.0):  # 0: the conditional token velocity
+        if cfg_scale == 1.0:  # REG guides (the token too) only when cfg_scale guides: no doubled batch
             return conditional(x, token, t, y)
         if cfg_interval is not None:
             inside = (t >= cfg_interval[0]) & (t <= cfg_interval[1])
@@ -238,7 +238,13 @@ def sample_latents(
     if token_dim is not None and (isinstance(objective, DDPMObjective) or is_diffusers_sampler(opts.sampler)):
         raise ValueError(
             f"this DiT has REG's class token (class_token_dim {token_dim}), which only the flow samplers denoise "
-            f"jointly: sample it with its flow objective (objective=FlowMatching(), a flow sampler), not {opts.sampler}"
+            f"jointly: sample it with its flow objective (--objective flow, with --path_type linear for REG's "
+            f"networks; a flow sampler such as sde-euler), not {opts.sampler}"
+        )
+    if token_dim is not None and opts.guide_channels is not None and model_fn is None:
+        raise ValueError(
+            f"guide_channels {opts.guide_channels} does not apply to a DiT with REG's class token: its sampler guides "
+            "every latent channel, and the token by class_token_cfg_scale; unset guide_channels (null)"
         )
     if token_dim is None and class_token_noise is not None:
         raise ValueError("class_token_noise given, but this DiT has no class token (class_token_dim unset)")

@@ -56,3 +56,14 @@ def test_head_pruned_file_fine_tunes_through_init_from(tmp_path):
     ).eval()
     x, t, y = inputs()
     assert torch.equal(module.model(x, t, y), small(x, t, y))
+
+
+def test_calibration_of_a_reg_network_is_refused_before_any_work(tmp_path):
+    model = randomized(in_channels=1, learn_sigma=False, class_token_dim=8)
+    src = save_pruned(model, tmp_path / "reg.pt", ema=model, extra_args={"num_heads": 4})
+    with pytest.raises(ValueError, match=r"REG's class token \(class_token_dim 8\): prune it by weight magnitude"):
+        prune(src, str(tmp_path / "small.pt"), depth=2, calibration=str(tmp_path / "no-store"))
+    assert not (tmp_path / "small.pt").exists()
+    # by magnitude it prunes, and the token's layers stay
+    small = load_dit(prune(src, str(tmp_path / "small.pt"), depth=2)).net
+    assert small.depth == 2 and small.class_token_dim == 8

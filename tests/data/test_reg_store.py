@@ -272,6 +272,18 @@ def test_reg_refuses_a_store_without_the_class_token(env):
     with pytest.raises(ValueError, match=r"class token: weights sha256 .*class token width 8 \(the encoder gives 16\)"):
         reg.check_store(other)
     repa.check_store(other)  # without REG the class token is not read
+    # a REG run's validate / test read the store's class token too: checked before the first batch
+    from types import SimpleNamespace
+
+    from dit_lightning.module import DiTModule
+
+    options = REPAOptions(encoder=TOKEN, weights=env["weights"], depth=1, projector_dim=8, class_token_weight=0.03)
+    module = DiTModule(model="custom", latent_shape=(1, 8, 8), num_classes=2, depth=1, hidden_size=32, num_heads=2,
+                       patch_size=2, objective="flow", vae="none", repa=options)  # fmt: skip
+    module._trainer = SimpleNamespace(datamodule=LatentDataModule(env["old"], global_batch_size=8, num_workers=0))
+    for hook in (module.on_validation_start, module.on_test_start):
+        with pytest.raises(ValueError, match=r"REG \(model.repa.class_token_weight 0.03\)"):
+            hook()
 
 
 def test_inline_extraction_writes_both_sets_in_each_shard_commit(tmp_path):

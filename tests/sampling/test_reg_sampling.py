@@ -75,8 +75,9 @@ def test_sde_euler_is_regs_euler_maruyama_sampler(cls_cfg_scale):
 
     ours = sample_latents(
         net, y, objective=FlowMatching(), noise=latents, class_token_noise=cls_latents, noise_fn=noise_fn,
+        # the defaults of the last step (mean, 0.04) and of the diffusion (sigma, 1) are REG's
         options=SamplingOptions(sampler="sde-euler", num_steps=steps, cfg_scale=2.5, cfg_interval=(0.3, 1.0),
-                                class_token_cfg_scale=cls_cfg_scale, last_step="mean", last_step_size=0.04),
+                                class_token_cfg_scale=cls_cfg_scale),
     )  # fmt: skip
     assert expected.abs().max() > 1
     torch.testing.assert_close(ours, expected.float(), rtol=0, atol=1e-5)
@@ -112,7 +113,16 @@ def test_every_flow_sampler_samples_a_class_token_dit_keyed_per_sample():
         net, y, objective=flow, class_token_noise=token, sampler="ode-euler", num_steps=4, cfg_scale=2.0, seed=3
     )
     assert (zero_token - x).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="class token.*flow samplers"):
+    # REG guides the token only where cfg_scale guides: scale 1, one conditional pass whatever the token's scale
+    plain = sample_latents(net, y, objective=flow, sampler="ode-euler", num_steps=4, seed=3)
+    token_only = sample_latents(
+        net, y, objective=flow, sampler="ode-euler", num_steps=4, seed=3, class_token_cfg_scale=3.0
+    )
+    torch.testing.assert_close(token_only, plain, rtol=0, atol=0)
+    assert (plain - x).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="class token.*flow samplers.*--objective flow"):
         sample_latents(net, y, sampler="ddim", num_steps=4)
+    with pytest.raises(ValueError, match="guide_channels 3 does not apply.*class token"):
+        sample_latents(net, y, objective=flow, sampler="ode-euler", num_steps=4, cfg_scale=2.0, guide_channels=3)
     with pytest.raises(ValueError, match="class_token_cfg_scale"):
         SamplingOptions(class_token_cfg_scale=-1.0)
