@@ -407,37 +407,15 @@ def main() -> None:
     curves = {r: c for r, c in curves.items() if c}  # without the runs another process is making
     sample_grid(args, list(curves), args.seeds[0], args.output + "_samples.png")
     if rows:
-        plot(rows, args.output + ".png")
+        bench_recipes.plot(
+            rows,
+            args.output + ".png",
+            METRICS,
+            "MNIST (5k): quality vs training step, mean +- sd over seeds",
+            (11, 4),
+            80,
+        )
     report(args, judge, len(train), len(held_out), rows, reach, time.perf_counter() - t0)
-
-
-def plot(rows: list[dict], path: str) -> None:
-    """Accuracy and fd classifier vs step, mean +- sd over seeds, one line per recipe."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(11, 4))
-    for ax, m in zip(axes, METRICS):
-        for recipe in dict.fromkeys(r["recipe"] for r in rows):
-            pts = [r for r in rows if r["recipe"] == recipe]
-            steps, mean, sd = (
-                [r["step"] for r in pts],
-                np.array([r[m] for r in pts]),
-                np.array([r[m + "_sd"] for r in pts]),
-            )
-            ax.plot(steps, mean, marker="o", ms=3, label=recipe)
-            ax.fill_between(steps, mean - sd, mean + sd, alpha=0.15)
-        ax.set_xlabel("optimiser step")
-        ax.set_title(m.replace("_", " "))
-        ax.grid(alpha=0.3)
-    axes[1].set_yscale("log")
-    axes[0].legend(fontsize=8)
-    fig.suptitle("MNIST (5k): quality vs training step, mean +- sd over seeds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)  # the committed plot stays well under the repository's 200 KB
-    plt.close(fig)
 
 
 def report(
