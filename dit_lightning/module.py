@@ -231,13 +231,15 @@ class DiTModule(L.LightningModule):
             rank_zero_info(f"{self.objective.describe()}: default sampler {chosen} (model.sampler)")
             sampler = chosen  # type: ignore[assignment]  # one of the objective's samplers
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
-        # REPA's head reads its encoder's feature width (and hashes its weights) for the record
-        self.repa: Optional[REPAHead] = repa_head(repa, image_shape_of(latent_shape, is_pixel_space(vae)))
-        if self.repa is not None and self.repa.class_token_dim:
+        record: Any = repa  # REPAOptions, or a checkpoint's record (a dict)
+        reg = record.get("class_token_weight") if isinstance(record, dict) else getattr(record, "class_token_weight", 0)
+        if float(reg or 0) > 0:  # refused before the encoder is loaded and hashed
             if not isinstance(self.objective, FlowMatching):
                 raise ValueError("REG trains with the flow objective: set model.objective flow")
             if self.objective.prediction != "velocity":
                 raise ValueError("REG trains the velocity of its class token: set model.prediction velocity")
+        # REPA's head reads its encoder's feature width (and hashes its weights) for the record
+        self.repa: Optional[REPAHead] = repa_head(repa, image_shape_of(latent_shape, is_pixel_space(vae)))
         # Under LightningCLI save_hyperparameters records the parsed config, not these locals: the record
         # must say what runs (a flow model's sampler and variance), so set what the objective changed.
         records: tuple[Any, ...] = (self.hparams, self._hparams_initial)

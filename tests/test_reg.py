@@ -53,6 +53,10 @@ def test_bad_reg_settings_are_refused_in_one_line(encoder_file, tmp_path):
         reg_module(encoder_file, objective="ddpm")
     with pytest.raises(ValueError, match="set model.prediction velocity"):
         reg_module(encoder_file, prediction="noise")
+    # said before the encoder is loaded: a missing weights file is not what the user hears first
+    missing = reg_options(str(tmp_path / "missing.pt"))
+    with pytest.raises(ValueError, match="^REG trains with the flow objective"):
+        reg_module(encoder_file, repa=missing, objective="ddpm")
     plain = tmp_path / "plain.pt"
     torch.save(DigitsEncoder().state_dict(), plain)
     options = dataclasses.replace(reg_options(str(plain)), encoder="dit_lightning.models.repa.DigitsEncoder")
