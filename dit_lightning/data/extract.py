@@ -166,6 +166,17 @@ def pixel_channels(image_root: str, paths: list[str], channels: Channels = "auto
     return int(channels)
 
 
+def folder_fields(image_root: str, paths: list[str], labels: list[int], classes: list[str]) -> dict[str, Any]:
+    """What a store's spec records of the image folder it was made from (pixel and VAE stores alike):
+    its class names, absolute path, image count and the fingerprint of its listing."""
+    return {
+        "class_names": tuple(classes),
+        "source": os.path.abspath(image_root),
+        "num_items": len(paths),
+        "fingerprint": _fingerprint(paths, labels),
+    }
+
+
 def pixel_store_spec(
     image_root: str,
     image_size: int,
@@ -190,11 +201,8 @@ def pixel_store_spec(
         scale_factor=1.0,
         vae=PIXEL_VAE,
         image_size=image_size,
-        class_names=tuple(classes),
-        source=os.path.abspath(image_root),
-        num_items=len(paths),
         shard_size=shard_size,
-        fingerprint=_fingerprint(paths, labels),
+        **folder_fields(image_root, paths, labels, classes),
     )
 
 
@@ -954,11 +962,8 @@ def extract_latents(
             scale_factor=sf,
             vae=recorded_vae,
             image_size=image_size,
-            class_names=tuple(classes),
-            source=os.path.abspath(image_root),
-            num_items=len(paths),
             shard_size=shard_size,
-            fingerprint=_fingerprint(paths, labels),
+            **folder_fields(image_root, paths, labels, classes),
             extra=(("seed", int(seed)),) if variant == "sample" else (),
             latent_transform=transform,
         )
