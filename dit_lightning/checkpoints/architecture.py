@@ -113,6 +113,8 @@ def _recorded_heads(args: dict[str, Any]) -> Optional[int]:
     if args.get("num_heads"):
         return int(args["num_heads"])
     name = args.get("model")
+    if isinstance(name, str) and name.startswith("SiT-"):  # SiT's, REPA's and REG's train.py: DiT's sizes
+        name = "DiT-" + name[len("SiT-") :]
     if isinstance(name, str) and name != "custom":
         try:
             return dit_config(name)["num_heads"]

@@ -22,8 +22,8 @@ A REG ``train.py`` checkpoint (``{"model", "ema", "opt", "args"}``) or a raw REG
 (:func:`~.formats.read_checkpoint`) as the DiT it is, so ``load_dit``, ``sample``, ``predict``,
 ``init_from`` and the exports take it as any other; its arguments are read as SiT's (``prediction``
 ``v`` is velocity, ``path_type`` ``cosine`` REG's ``alpha = cos``, ``sigma = sin`` in its time, which
-is the GVP path in ours; ``model: SiT-B/2`` names DiT-B/2's heads). Its optimiser state is left out:
-it is keyed by parameter position and covers REPA's projector.
+is the GVP path in ours; ``model: SiT-B/2`` names DiT-B/2's heads, as for SiT's own checkpoints). Its
+optimiser state is left out: it is keyed by parameter position and covers REPA's projector.
 
 Pure PyTorch.
 """
@@ -113,13 +113,6 @@ def reg_args(args: dict[str, Any]) -> dict[str, Any]:
     out["path_type"] = _REG_PATHS[path]
     if str(args.get("prediction") or "v") == "v":
         out["prediction"] = "velocity"
-    model = args.get("model")
-    if isinstance(model, str) and model.startswith("SiT-") and not args.get("num_heads"):
-        from ..models.dit import DIT_CONFIGS
-
-        named = DIT_CONFIGS.get("DiT-" + model[len("SiT-") :])
-        if named is not None:  # REG's SiT sizes are DiT's (its SiT-S's mismatched final layer aside)
-            out["num_heads"] = named["num_heads"]
     return out
 
 

@@ -97,10 +97,11 @@ def test_a_raw_reg_state_dict_and_a_token_position_embedding(tmp_path):
 
 
 def test_regs_arguments_read_as_sits():
+    from dit_lightning.checkpoints.architecture import _recorded_heads
     from dit_lightning.checkpoints.reg import reg_args
 
     read = reg_args({"model": "SiT-XL/2", "path_type": "cosine", "prediction": "v", "cls": 0.03})
-    assert (read["path_type"], read["prediction"], read["num_heads"]) == ("gvp", "velocity", 16)
+    assert (read["path_type"], read["prediction"], _recorded_heads(read)) == ("gvp", "velocity", 16)
     with pytest.raises(ValueError, match="linear or cosine"):
         reg_args({"path_type": "edm"})
 
